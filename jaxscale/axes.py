@@ -1,0 +1,102 @@
+"""Logical axes, the rules that map them to mesh axes, and `constrain`.
+
+Model code names only logical axes (`batch`, `seq`, `embed`, ...). A plan turns into `Rules`: one
+entry per logical axis giving the mesh axes it is sharded over. Strategies add their entries with
+`Rules.add`; two strategies claiming the same logical axis is an error that names both, never a
+silent first match.
+
+Resolving a tuple of logical names to a `PartitionSpec` drops a mesh axis that an earlier dimension
+of the same array already uses: under FSDP the parameter rule `embed -> fsdp` and the activation
+rule `batch -> (dp, fsdp)` meet in `x[batch, seq, embed]`, where the batch dimension keeps `fsdp`.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+#: Mesh axes, outer (slowest link) to inner (fastest link). Nothing else invents axis names.
+MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
+
+#: Logical axes the models may use.
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
+                "layers", "experts")
+
+
+@dataclass
+class Rules:
+    """logical axis -> tuple of mesh axes, with the strategy that set each entry."""
+
+    table: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    owner: dict[str, str] = field(default_factory=dict)
+
+    def add(self, logical: str, mesh_axes: str | Sequence[str] | None, by: str) -> "Rules":
+        if logical not in LOGICAL_AXES:
+            raise ValueError(f"unknown logical axis {logical!r} (from {by}); "
+                             f"valid: {', '.join(LOGICAL_AXES)}")
+        axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        for a in axes:
+            if a not in MESH_AXES:
+                raise ValueError(f"{by} maps {logical!r} to unknown mesh axis {a!r}; "
+                                 f"valid: {', '.join(MESH_AXES)}")
+        if logical in self.table and self.table[logical] != axes:
+            raise ValueError(
+                f"conflicting sharding rules for logical axis {logical!r}: {self.owner[logical]} "
+                f"maps it to {self.table[logical]}, {by} to {axes}. Remove one of the two "
+                f"strategies or give one logical axis to each.")
+        self.table[logical] = axes
+        self.owner[logical] = by
+        return self
+
+    def spec(self, names: Iterable[str | None]) -> P:
+        used: set[str] = set()
+        out = []
+        for n in names:
+            axes = tuple(a for a in self.table.get(n, ()) if a not in used) if n else ()
+            used.update(axes)
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*out)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {k: list(v) for k, v in self.table.items()}
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "jaxscale_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules):
+    """Make `constrain` shard activations on `mesh` by `rules` while tracing inside the block."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> tuple[Mesh, Rules] | None:
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside `use_rules`."""
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        return x
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain got {len(names)} names {names} for an array of shape {x.shape}")
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
+
+
+def logical_names(variable) -> tuple[str | None, ...]:
+    """The logical names stored on an NNX variable (or its abstract state)."""
+    names = getattr(variable, "out_sharding", None)
+    if names is None:
+        names = variable.get_metadata().get("out_sharding") if hasattr(variable, "get_metadata") else None
+    return tuple(names) if names is not None else (None,) * len(variable.value.shape)

@@ -1,0 +1,1 @@
+"""Kernels: each beside a pure-jnp reference and a test."""

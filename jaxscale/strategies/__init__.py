@@ -1,0 +1,1 @@
+"""Strategies: each adds logical->mesh rules or a step transform; see each module docstring."""

@@ -1,0 +1,1 @@
+"""Training: sharded state, the pure train step, and the loop."""

@@ -1,0 +1,237 @@
+"""LLaMA-style decoder in Flax NNX: RMSNorm, RoPE (optional Llama-3.1 scaling), SwiGLU, GQA.
+
+The model knows logical axes only: each weight carries its logical names (`out_sharding`
+metadata), activations pass through `constrain(x, "batch", "seq", ...)`, and the activations that
+remat/offload policies talk about are tagged with `checkpoint_name` (see `TAGS`). No mesh axis and
+no strategy flag appears here; a strategy reaches the layers only through `block_wrapper`, a
+function applied to each block's pure `(x, block_state) -> x` function (e.g. `jax.checkpoint`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.attention import attention
+from jaxscale.axes import constrain
+
+#: `checkpoint_name` tags, in the order they appear in a block.
+TAGS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "o_proj",
+        "mlp_norm", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_down")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling of RoPE."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 320
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 384
+    head_dim: int = 0                 # 0: dim // n_heads
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    scan_layers: bool = True
+    dtype: str = "float32"            # compute dtype
+    param_dtype: str = "float32"
+    attention: str = "xla"            # see jaxscale.attention.IMPLEMENTATIONS
+    init_std: float = 0.02
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def validate(self) -> "ModelConfig":
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of "
+                             f"model.n_kv_heads={self.n_kv_heads}")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads="
+                             f"{self.n_heads}; set model.head_dim explicitly")
+        if self.hd % 2:
+            raise ValueError(f"head_dim={self.hd} must be even for RoPE")
+        return self
+
+    def param_count(self) -> int:
+        """Exact number of parameters (embedding, blocks, final norm, untied head)."""
+        d, f, hd = self.dim, self.ffn_dim, self.hd
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        block = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * block + d + head
+
+    def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Training FLOPs per token: 6 x (non-embedding matmul params + head) + attention.
+
+        Attention (QK^T and PV, forward 4*s*hd*heads per token per layer, x3 for fwd+bwd) is
+        halved when causal, as in the MFU accounting of PaLM / Megatron.
+        """
+        n_matmul = self.param_count() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        n_matmul -= (2 * self.n_layers + 1) * self.dim      # norms are not matmuls
+        attn = 12 * self.n_layers * self.n_heads * self.hd * seq_len
+        return 6 * n_matmul + (attn / 2 if causal else attn)
+
+
+def _param(rngs: nnx.Rngs, shape, names, dtype, std, init=None):
+    value = (init or nnx.initializers.normal(std))(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (dim,), ("embed",), dtype, 0.0, init=nnx.initializers.ones)
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig):
+    hd = cfg.hd
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    s = cfg.rope_scaling
+    if s is not None:  # Llama-3.1: keep high frequencies, divide low ones by factor, blend between
+        wavelen = 2 * math.pi / inv
+        low_wl = s.original_max_position / s.low_freq_factor
+        high_wl = s.original_max_position / s.high_freq_factor
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * inv / s.factor + smooth * inv
+        inv = jnp.where(wavelen < high_wl, inv, jnp.where(wavelen > low_wl, inv / s.factor, blended))
+    return inv
+
+
+def apply_rope(x_BTHD, positions_BT, inv_freq):
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) (the Hugging Face / Meta 'rotate_half' layout)."""
+    ang_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(ang_BTF)[:, :, None, :], jnp.sin(ang_BTF)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHD.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, hd, pd = cfg.dim, cfg.hd, jnp.dtype(cfg.param_dtype)
+        std = cfg.init_std
+        self.wq = _param(rngs, (d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), pd, std)
+        self.wk = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wo = _param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), pd,
+                         std / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
+        dt = x_BTD.dtype
+        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq.value.astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk.value.astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv.value.astype(dt))
+        q = constrain(checkpoint_name(q, "q_proj"), "batch", "seq", "heads", "head_dim")
+        k = constrain(checkpoint_name(k, "k_proj"), "batch", "seq", "kv_heads", "head_dim")
+        v = constrain(checkpoint_name(v, "v_proj"), "batch", "seq", "kv_heads", "head_dim")
+        q = apply_rope(q, positions_BT, inv_freq)
+        k = apply_rope(k, positions_BT, inv_freq)
+        o_BTHK = attention(q, k, v, causal=True, segment_ids=segment_ids_BT,
+                           implementation=self.cfg.attention)
+        o_BTHK = constrain(checkpoint_name(o_BTHK, "attn_out"), "batch", "seq", "heads", "head_dim")
+        out = jnp.einsum("bthk,hkd->btd", o_BTHK, self.wo.value.astype(dt))
+        return checkpoint_name(out, "o_proj")
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd, std = cfg.dim, cfg.ffn_dim, jnp.dtype(cfg.param_dtype), cfg.init_std
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd, std)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd, std)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
+
+    def __call__(self, x_BTD):
+        dt = x_BTD.dtype
+        g = checkpoint_name(x_BTD @ self.w_gate.value.astype(dt), "mlp_gate")
+        u = checkpoint_name(x_BTD @ self.w_up.value.astype(dt), "mlp_up")
+        h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
+        return checkpoint_name(h_BTF @ self.w_down.value.astype(dt), "mlp_down")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
+        h = checkpoint_name(self.attn_norm(x_BTD), "attn_norm")
+        x_BTD = x_BTD + self.attn(h, positions_BT, segment_ids_BT, inv_freq)
+        x_BTD = constrain(x_BTD, "batch", "seq", "embed")
+        h = checkpoint_name(self.mlp_norm(x_BTD), "mlp_norm")
+        x_BTD = x_BTD + self.mlp(h)
+        return constrain(x_BTD, "batch", "seq", "embed")
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.cfg = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pd, 1.0)
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(r):
+                return Block(cfg, rngs=r)
+            self.layers = make(rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pd,
+                               1.0 / math.sqrt(cfg.dim))
+
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
+                 block_wrapper: Callable | None = None):
+        """tokens [B, T] int -> logits [B, T, vocab] in float32."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        inv_freq = rope_frequencies(cfg)
+        x = jnp.take(self.embed.value, tokens_BT, axis=0).astype(dt)
+        x = constrain(x, "batch", "seq", "embed")
+
+        def block_fn(x, block_state, graphdef):
+            return nnx.merge(graphdef, block_state)(x, positions_BT, segment_ids_BT, inv_freq)
+
+        wrap = block_wrapper or (lambda f: f)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            body = wrap(lambda x, st: block_fn(x, st, graphdef))
+            x, _ = jax.lax.scan(lambda c, st: (body(c, st), None), x, state)
+        else:
+            for blk in self.layers:
+                graphdef, state = nnx.split(blk)
+                x = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x, state)
+        x = self.norm(x)
+        head = self.embed.value.T if cfg.tie_embeddings else self.head.value
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        return constrain(logits, "batch", "seq", "vocab")
