@@ -216,7 +216,10 @@ class Llama(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         inv_freq = rope_frequencies(cfg)
-        x = jnp.take(self.embed.value, tokens_BT, axis=0).astype(dt)
+        # The table is read whole along `embed` (gathered, as any FSDP weight at use); only a
+        # vocabulary split survives, which makes the lookup a masked gather plus one all-reduce.
+        table_VD = constrain(self.embed.value, "vocab", None)
+        x = jnp.take(table_VD, tokens_BT, axis=0).astype(dt)
         x = constrain(x, "batch", "seq", "embed")
 
         def block_fn(x, block_state, graphdef):

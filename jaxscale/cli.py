@@ -1,0 +1,84 @@
+"""`jaxscale train | inspect` (more subcommands arrive with their capabilities)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _ensure_cpu_devices(n: int = 8) -> None:
+    """On a CPU-only machine, simulate `n` devices unless the user set XLA_FLAGS themselves."""
+    if "jax" in sys.modules or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" or not _has_gpu():
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={n}").strip()
+
+
+def _has_gpu() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None or \
+        importlib.util.find_spec("jax_cuda13_plugin") is not None
+
+
+def _load(args):
+    from jaxscale import config as config_lib
+    cfg = config_lib.load_experiment(args.experiment)
+    cfg = config_lib.apply_overrides(cfg, args.set)
+    if getattr(args, "steps", None):
+        cfg = config_lib.apply_overrides(cfg, [f"train.steps={args.steps}"])
+    return cfg
+
+
+def cmd_train(args) -> int:
+    from jaxscale.train.loop import train
+    cfg = _load(args)
+    summary = train(cfg, out=args.out)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from jaxscale import inspect
+    rep = inspect.report(_load(args))
+    print(json.dumps(rep, indent=2) if args.json else inspect.format_report(rep))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxscale", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("experiment", help="name under experiments/ or path to a .py with config()")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config field, e.g. --set mesh.dp=8 --set model.n_layers=2")
+        sp.add_argument("--devices", type=int, default=8,
+                        help="simulated CPU devices when no accelerator is present (default 8)")
+
+    t = sub.add_parser("train", help="train an experiment")
+    common(t)
+    t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    t.add_argument("--out", help="run directory (default runs/<name>)")
+    t.set_defaults(func=cmd_train)
+    i = sub.add_parser("inspect", help="compile the train step; report memory, census, FLOPs")
+    common(i)
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _ensure_cpu_devices(getattr(args, "devices", 8))
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, TypeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"jaxscale {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

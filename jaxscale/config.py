@@ -1,0 +1,202 @@
+"""Run configuration: small frozen dataclasses per component, `--set a.b=c` overrides, loading.
+
+An experiment is a Python file with a `config()` function returning `Config`; recipes derive from
+each other by calling one another and `dataclasses.replace`. The fully resolved config is saved as
+`config.json` in every run directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import meshes
+import models
+from jaxscale.mesh import MeshConfig
+from models.llama import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"            # "stdlib" (this Python's own sources) or comma-separated globs
+    seq_len: int = 128
+    batch_size: int = 16              # global batch, in sequences
+    heldout_fraction: float = 0.05
+    max_bytes: int = 16_000_000       # cap on corpus bytes read
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: int = 0              # 0: decay over train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0            # 0: no clipping
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Strategy options beyond the mesh degrees (which imply DP / FSDP / TP)."""
+    donate: bool = True               # donate the train state to the step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    eval_every: int = 50              # 0: no evaluation
+    eval_batches: int = 4
+    log_every: int = 1
+    seed: int = 0
+    peak_flops: float = 0.0           # per device; 0: from the hardware table
+    out: str = ""                     # run directory; "" -> runs/<name>
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ----------------------------------------------------------------------------- overrides
+_PRESETS = {"model": (models.get, models.CONFIGS), "mesh": (meshes.get, meshes.PRESETS)}
+
+
+def _field_types(cls) -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse(raw: str, typ, key: str):
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw.lower() in ("none", "null", ""):
+            return None
+        typ = args[0]
+    if typ is RopeScaling:
+        if raw.lower() in ("llama3", "default", "true"):
+            return RopeScaling()
+        raise ValueError(f"{key}: give 'none' or 'llama3' (set fields as {key}.factor=...)")
+    try:
+        if typ is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(float(raw)) if raw.replace(".", "", 1).lstrip("-").isdigit() else int(raw)
+        if typ is float:
+            return float(raw)
+        if typ is str:
+            return raw
+    except ValueError:
+        raise ValueError(f"bad value {raw!r} for {key}: expected {typ.__name__}") from None
+    raise ValueError(f"{key} cannot be set from the command line (type {typ})")
+
+
+def _set(obj, path: list[str], raw: str, prefix: str):
+    name = path[0]
+    key = f"{prefix}{name}"
+    ftypes = _field_types(type(obj))
+    if name not in ftypes:
+        raise KeyError(f"unknown config key {key!r}; valid keys here: "
+                       f"{', '.join(prefix + n for n in ftypes)}")
+    cur = getattr(obj, name)
+    if len(path) == 1:
+        if name in _PRESETS and obj.__class__ is Config:   # --set model=llama3-8b / mesh=cpu8
+            return dataclasses.replace(obj, **{name: _PRESETS[name][0](raw)})
+        if dataclasses.is_dataclass(cur) and not isinstance(cur, type):
+            raise KeyError(f"{key!r} is a group; set one of its fields, e.g. "
+                           f"{key}.{dataclasses.fields(cur)[0].name}=...")
+        return dataclasses.replace(obj, **{name: _parse(raw, ftypes[name], key)})
+    if cur is None and ftypes[name] in (typing.Optional[RopeScaling],):
+        cur = RopeScaling()
+    if not dataclasses.is_dataclass(cur):
+        raise KeyError(f"{key!r} is a value, not a group; use --set {key}=VALUE")
+    return dataclasses.replace(obj, **{name: _set(cur, path[1:], raw, key + ".")})
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `a.b=c` strings in order; errors name the key and list the valid ones."""
+    for item in overrides or ():
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. mesh.dp=8)")
+        key, raw = item.split("=", 1)
+        cfg = _set(cfg, key.strip().split("."), raw.strip(), "")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- loading
+def experiments_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent.parent / "experiments"
+    return [Path.cwd() / "experiments", here]
+
+
+def list_experiments() -> list[str]:
+    names = set()
+    for d in experiments_dirs():
+        if d.is_dir():
+            for p in d.glob("*.py"):
+                if "def config(" in p.read_text(errors="ignore"):
+                    names.add(p.stem)
+    return sorted(names)
+
+
+def load_experiment(name_or_path: str) -> Config:
+    path = Path(name_or_path)
+    if not (path.suffix == ".py" and path.is_file()):
+        path = next((d / f"{name_or_path}.py" for d in experiments_dirs()
+                     if (d / f"{name_or_path}.py").is_file()), None)
+    if path is None:
+        raise ValueError(f"unknown experiment {name_or_path!r}; give a path to a .py file with a "
+                         f"config() function or one of: {', '.join(list_experiments())}")
+    spec = importlib.util.spec_from_file_location(f"jaxscale_experiment_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "config"):
+        raise ValueError(f"{path} has no config() function")
+    cfg = mod.config()
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{path}: config() must return jaxscale.config.Config, got {type(cfg)}")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: Config, path: Path) -> None:
+    path.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+def from_dict(d: dict) -> Config:
+    def build(cls, data):
+        kw = {}
+        ftypes = _field_types(cls)
+        for k, v in data.items():
+            t = ftypes[k]
+            sub = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)] or (
+                [t] if dataclasses.is_dataclass(t) else [])
+            kw[k] = build(sub[0], v) if sub and isinstance(v, dict) else v
+        return cls(**kw)
+    return build(Config, d)
+
+
+def replace_resolved_mesh(cfg: Config, mesh_cfg: MeshConfig) -> Config:
+    """The config with the mesh degrees as resolved against the devices (no -1 left)."""
+    return dataclasses.replace(cfg, mesh=mesh_cfg)

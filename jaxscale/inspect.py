@@ -1,0 +1,165 @@
+"""Compile -> per-device memory, the collective census, FLOPs, and the plan's theory beside them.
+
+The census groups every collective of the compiled step by (kind, mesh axes): `count` is how many
+times it runs per step (loop trip counts included), `bytes` the per-device message size summed
+over those runs (nccl-tests' "size": the output of an all-gather, the input of a reduce-scatter),
+and `wire_bytes` what a bandwidth-optimal ring puts on each device's link for it (x 2(n-1)/n for
+all-reduce, x (n-1)/n for the others). The axes are read from the replica groups, not assumed.
+
+XLA:CPU lowers a gradient reduction whose result is sliced as an all-reduce where XLA:GPU emits a
+reduce-scatter; the census reports the kind it saw, and `theory_vs_census` flags such a pair
+instead of hiding it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxscale import hlo
+from jaxscale.strategies.common import Collective
+
+_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+           "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+           "collective-permute": lambda n: 1.0}
+
+
+def _axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
+    coords = np.array([np.unravel_index(d, mesh.devices.shape) for d in group])
+    varying = [i for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1]
+    return tuple(mesh.axis_names[i] for i in varying)
+
+
+def census(text: str, mesh: Mesh) -> list[dict]:
+    """Collectives of a compiled HLO module, aggregated by (kind, axes)."""
+    mod = hlo.Module(text)
+    agg: dict[tuple, dict] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "wire_bytes": 0.0})
+    n_dev = mesh.devices.size
+    for ins in mod.instrs:
+        kind = hlo.collective_kind(ins.opcode)
+        if kind is None:
+            continue
+        runs = mod.runs.get(ins.computation, 0.0)
+        if runs == 0:
+            continue
+        size = hlo.result_bytes(ins, kind)
+        if kind == "collective-permute":
+            pairs = [p for p in hlo.source_target_pairs(ins.rest) if p[0] != p[1]]
+            if not pairs:
+                continue
+            axes = tuple(sorted({a for p in pairs for a in _axes_of_group(p, mesh)},
+                                key=mesh.axis_names.index))
+            n = 2
+        else:
+            groups = hlo.replica_groups(ins.rest) or [list(range(n_dev))]
+            n = len(groups[0])
+            if n == 1:
+                continue
+            axes = _axes_of_group(groups[0], mesh)
+            if kind == "reduce-scatter":
+                size *= n
+        row = agg[(kind, axes)]
+        row["count"] += runs
+        row["bytes"] += size * runs
+        row["wire_bytes"] += size * runs * _FACTOR[kind](n)
+    out = [{"kind": k, "axes": list(a), "count": int(round(v["count"])), "bytes": int(v["bytes"]),
+            "wire_bytes": int(v["wire_bytes"])} for (k, a), v in agg.items()]
+    order = {k: i for i, k in enumerate(hlo.COLLECTIVES)}
+    return sorted(out, key=lambda r: (order[r["kind"]], r["axes"]))
+
+
+def memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    d = {k: int(getattr(m, f"{k}_size_in_bytes", 0)) for k in
+         ("argument", "output", "temp", "alias", "generated_code")}
+    d.update({f"host_{k}": int(getattr(m, f"host_{k}_size_in_bytes", 0))
+              for k in ("argument", "output", "temp", "alias")})
+    d["total"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    return d
+
+
+def flops(compiled, text: str | None = None) -> dict:
+    """Matmul FLOPs per device per step from the HLO (loop-aware), and XLA's own estimate."""
+    text = text or compiled.as_text()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return {"dot_flops": hlo.dot_flops(hlo.Module(text)),
+            "xla_cost_analysis_flops": float((ca or {}).get("flops", 0.0))}
+
+
+def theory_vs_census(theory: list[Collective], observed: list[dict]) -> list[dict]:
+    """One row per (kind, axes) in either list: predicted bytes, census bytes, ratio."""
+    rows: dict[tuple, dict] = {}
+    for t in theory:
+        r = rows.setdefault((t.kind, tuple(t.axes)), {"theory_bytes": 0.0, "census_bytes": 0,
+                                                      "what": []})
+        r["theory_bytes"] += t.bytes
+        r["what"].append(t.what)
+    for c in observed:
+        r = rows.setdefault((c["kind"], tuple(c["axes"])), {"theory_bytes": 0.0,
+                                                            "census_bytes": 0, "what": []})
+        r["census_bytes"] += c["bytes"]
+    # XLA:CPU reduces gradients with an all-reduce and slices, where GPUs reduce-scatter: pair a
+    # predicted reduce-scatter that the census lacks with an unpredicted all-reduce on its axes.
+    for (kind, axes), r in list(rows.items()):
+        alt = rows.get(("all-reduce", axes))
+        if (kind == "reduce-scatter" and r["theory_bytes"] and not r["census_bytes"] and alt
+                and alt["census_bytes"] and not alt["theory_bytes"]):
+            r["census_bytes"] = alt.pop("census_bytes")
+            r["note"] = "emitted as all-reduce + slice on this backend (XLA:CPU)"
+            del rows[("all-reduce", axes)]
+    out = []
+    for (kind, axes), r in rows.items():
+        ratio = r["census_bytes"] / r["theory_bytes"] if r["theory_bytes"] else None
+        out.append({"kind": kind, "axes": list(axes), "theory_bytes": int(r["theory_bytes"]),
+                    "census_bytes": r["census_bytes"], "ratio": ratio,
+                    "what": "; ".join(w for w in r["what"] if w), "note": r.get("note", "")})
+    return out
+
+
+def format_report(rep: dict) -> str:
+    """Human-readable tables for `jaxscale inspect`."""
+    mib = lambda b: f"{b / 2**20:10.3f} MiB"
+    lines = ["per-device memory (compiled):"]
+    for k in ("argument", "output", "temp", "alias", "host_argument", "host_temp", "total"):
+        lines.append(f"  {k:<14}{mib(rep['memory'][k])}")
+    lines.append("collective census (per device, per step):")
+    lines.append(f"  {'kind':<19}{'axes':<14}{'count':>7}{'bytes':>16}{'wire bytes':>16}")
+    for c in rep["collectives"] or [{"kind": "(none)", "axes": [], "count": 0, "bytes": 0,
+                                     "wire_bytes": 0}]:
+        lines.append(f"  {c['kind']:<19}{','.join(c['axes']) or '-':<14}{c['count']:>7}"
+                     f"{c['bytes']:>16,}{c['wire_bytes']:>16,}")
+    f = rep["flops"]
+    lines.append(f"flops per device per step: {f['dot_flops']:.4g} (matmul, from HLO), "
+                 f"model formula {f['model_flops_per_device']:.4g}")
+    lines.append("theory vs census:")
+    for t in rep["theory"]:
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "  -  "
+        lines.append(f"  {t['kind']:<19}{','.join(t['axes']):<14}{t['theory_bytes']:>16,}"
+                     f"{t['census_bytes']:>16,}  ratio {ratio}  {t['what']} {t['note']}".rstrip())
+    return "\n".join(lines)
+
+
+
+def report(cfg, devices=None) -> dict:
+    """Compile the train step of `cfg` without running it; the `jaxscale inspect --json` object."""
+    from jaxscale import plan as plan_lib
+    from jaxscale.train.setup import build
+
+    setup = build(cfg, devices)
+    compiled = setup.lower_train_step().compile()
+    text = compiled.as_text()
+    n_dev = setup.plan.mesh.devices.size
+    fl = flops(compiled, text)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    fl["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / n_dev
+    observed = census(text, setup.plan.mesh)
+    return {
+        "mesh": {a: int(s) for a, s in zip(setup.plan.mesh.axis_names, setup.plan.mesh.devices.shape)},
+        "rules": setup.plan.rules.as_dict(),
+        "memory": memory(compiled),
+        "collectives": observed,
+        "flops": fl,
+        "theory": theory_vs_census(plan_lib.theory(cfg, setup.plan, setup.model), observed),
+    }
