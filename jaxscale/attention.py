@@ -1,18 +1,113 @@
 """Attention dispatch: the model's attention implementation is a config choice.
 
-`xla` is the reference (materialised scores, memory quadratic in sequence length).
+| name        | where            | memory (activations)           | notes                                  |
+|-------------|------------------|--------------------------------|----------------------------------------|
+| `xla`       | any backend      | O(B·H·T·S): scores materialised | the reference; fastest for short T on CPU |
+| `blockwise` | any backend      | O(B·H·T·D): tiled jnp loops     | portable FlashAttention-2 in plain jnp |
+| `pallas`    | NVIDIA GPU (Triton); elsewhere interpret mode (slow, for tests) | O(B·H·T·D) | `kernels/flash_attention.py` |
+| `cudnn`     | NVIDIA GPU only  | O(B·H·T·D)                     | `jax.nn.dot_product_attention(implementation="cudnn")`; bf16/fp16 |
+| `auto`      | picks one        |                                |                                        |
+
+`auto`: on a CUDA GPU, `cudnn` when it accepts the call (bf16/fp16, head_dim a multiple of 8 and
+<= 128, or <= 256 on Hopper and later, no packed segment ids, no non-causal window), else `pallas`.
+On CPU (or any other backend) `xla` while the score matrix is small (T·S <= AUTO_XLA_MAX_SCORES,
+where it is both faster and fits) and `blockwise` beyond, where the quadratic score memory of `xla`
+starts to dominate (see experiments/24_flash_attention.py and docs/attention.md).
+All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA
+without repeating K/V, rows with no allowed key give zeros.
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from jaxscale.kernels.reference import reference_attention
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas")
+
+#: `auto` on CPU keeps `xla` up to this many scores per (batch, head) (1024 x 1024).
+AUTO_XLA_MAX_SCORES = 1024 * 1024
+
+
+def _on_cuda_gpu() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return "cuda" in jax.devices()[0].client.platform_version.lower()
+    except Exception:  # pragma: no cover - unknown client; assume NVIDIA when the backend is gpu
+        return True
+
+
+def _cudnn_unsupported(q, k, segment_ids, window, causal) -> str | None:
+    """Why `cudnn` cannot take this call (None when it can)."""
+    if not _on_cuda_gpu():
+        return (f"attention implementation 'cudnn' needs an NVIDIA GPU (cuDNN flash attention); "
+                f"the backend here is {jax.default_backend()!r}. Use 'blockwise' (portable, memory "
+                f"linear in sequence length), 'xla' (reference), 'pallas' (Triton kernel; "
+                f"interpret mode off-GPU) or 'auto'.")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cudnn attention needs bf16 or fp16 inputs, got {q.dtype}; cast, or use 'pallas'"
+    D = q.shape[-1]
+    d_max = 256 if _hopper_or_later() else 128
+    if D % 8 or D > d_max:
+        return f"cudnn attention needs head_dim a multiple of 8 and <= {d_max}, got {D}"
+    if window is not None and not causal:
+        return "cudnn supports a sliding window only together with causal masking"
+    if k.shape[1] != q.shape[1] and causal:
+        return "cudnn causal masking here assumes T == S"
+    return None
+
+
+def _hopper_or_later() -> bool:
+    try:
+        return float(jax.devices()[0].compute_capability) >= 9.0
+    except Exception:
+        return False
+
+
+def _cudnn(q, k, v, *, causal, segment_ids, window):
+    reason = _cudnn_unsupported(q, k, segment_ids, window, causal)
+    if reason:
+        raise ValueError(reason)
+    mask = None
+    if segment_ids is not None:  # cuDNN takes this as a bias: O(T·S) memory, prefer pallas
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]   # [B, 1, T, S]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=causal, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
+
+
+def resolve(implementation: str, q, k, *, causal: bool = True, segment_ids=None,
+            window: int | None = None) -> str:
+    """The concrete implementation `implementation` means for these inputs on this backend."""
+    if implementation not in IMPLEMENTATIONS + ("auto",):
+        raise ValueError(f"unknown attention implementation {implementation!r}; "
+                         f"valid: {', '.join(IMPLEMENTATIONS + ('auto',))}")
+    if implementation != "auto":
+        return implementation
+    if _on_cuda_gpu():
+        if segment_ids is None and _cudnn_unsupported(q, k, segment_ids, window, causal) is None:
+            return "cudnn"
+        return "pallas"
+    return "xla" if q.shape[1] * k.shape[1] <= AUTO_XLA_MAX_SCORES else "blockwise"
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | None = None,
               implementation: str = "xla"):
-    """q [B, T, H, D], k/v [B, S, K, D] -> [B, T, H, D]."""
-    if implementation == "xla":
+    """q [B, T, H, D], k/v [B, S, K, D] -> [B, T, H, D]; see the module docstring for choices."""
+    impl = resolve(implementation, q, k, causal=causal, segment_ids=segment_ids, window=window)
+    if impl == "xla":
         return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
-    raise ValueError(f"unknown attention implementation {implementation!r}; "
-                     f"valid: {', '.join(IMPLEMENTATIONS)}")
+    if impl == "blockwise":
+        from jaxscale.kernels.blockwise import blockwise_attention
+        return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+    if impl == "pallas":
+        from jaxscale.kernels.flash_attention import flash_attention
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+    if implementation == "auto":
+        try:  # 'auto' falls back to pallas when cuDNN refuses at trace time
+            return _cudnn(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+        except (NotImplementedError, ValueError, RuntimeError):
+            from jaxscale.kernels.flash_attention import flash_attention
+            return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+    return _cudnn(q, k, v, causal=causal, segment_ids=segment_ids, window=window)

@@ -102,7 +102,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig):
@@ -141,9 +141,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
         dt = x_BTD.dtype
-        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq.value.astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk.value.astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv.value.astype(dt))
+        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt))
         q = constrain(checkpoint_name(q, "q_proj"), "batch", "seq", "heads", "head_dim")
         k = constrain(checkpoint_name(k, "k_proj"), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(checkpoint_name(v, "v_proj"), "batch", "seq", "kv_heads", "head_dim")
@@ -152,7 +152,7 @@ class Attention(nnx.Module):
         o_BTHK = attention(q, k, v, causal=True, segment_ids=segment_ids_BT,
                            implementation=self.cfg.attention)
         o_BTHK = constrain(checkpoint_name(o_BTHK, "attn_out"), "batch", "seq", "heads", "head_dim")
-        out = jnp.einsum("bthk,hkd->btd", o_BTHK, self.wo.value.astype(dt))
+        out = jnp.einsum("bthk,hkd->btd", o_BTHK, self.wo[...].astype(dt))
         return checkpoint_name(out, "o_proj")
 
 
@@ -165,10 +165,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD):
         dt = x_BTD.dtype
-        g = checkpoint_name(x_BTD @ self.w_gate.value.astype(dt), "mlp_gate")
-        u = checkpoint_name(x_BTD @ self.w_up.value.astype(dt), "mlp_up")
+        g = checkpoint_name(x_BTD @ self.w_gate[...].astype(dt), "mlp_gate")
+        u = checkpoint_name(x_BTD @ self.w_up[...].astype(dt), "mlp_up")
         h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
-        return checkpoint_name(h_BTF @ self.w_down.value.astype(dt), "mlp_down")
+        return checkpoint_name(h_BTF @ self.w_down[...].astype(dt), "mlp_down")
 
 
 class Block(nnx.Module):
@@ -218,7 +218,7 @@ class Llama(nnx.Module):
         inv_freq = rope_frequencies(cfg)
         # The table is read whole along `embed` (gathered, as any FSDP weight at use); only a
         # vocabulary split survives, which makes the lookup a masked gather plus one all-reduce.
-        table_VD = constrain(self.embed.value, "vocab", None)
+        table_VD = constrain(self.embed[...], "vocab", None)
         x = jnp.take(table_VD, tokens_BT, axis=0).astype(dt)
         x = constrain(x, "batch", "seq", "embed")
 
@@ -235,6 +235,6 @@ class Llama(nnx.Module):
                 graphdef, state = nnx.split(blk)
                 x = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x, state)
         x = self.norm(x)
-        head = self.embed.value.T if cfg.tie_embeddings else self.head.value
+        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         return constrain(logits, "batch", "seq", "vocab")

@@ -32,11 +32,11 @@ class FunctionalModel:
         abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
         self.graphdef, state = nnx.split(abstract)
         self._state_def = jax.tree.structure(state)
-        self.abstract_params = state.to_pure_dict()
-        self.logical = nnx.get_partition_spec(state).to_pure_dict()
+        self.abstract_params = nnx.to_pure_dict(state)
+        self.logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
 
     def init(self, key) -> dict:
-        return nnx.state(Llama(self.cfg, rngs=nnx.Rngs(params=key))).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(Llama(self.cfg, rngs=nnx.Rngs(params=key))))
 
     def module(self, params: dict) -> Llama:
         state = jax.tree.unflatten(self._state_def, jax.tree.leaves(params))

@@ -50,7 +50,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan,
             (loss, ntok), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": ntok}
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -1,0 +1,127 @@
+"""The collective census: kinds, bytes and mesh axes read from the compiled HLO."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxscale import hlo, inspect
+from jaxscale.mesh import MeshConfig, make_mesh
+from tests.helpers import PLANS, tiny_config
+
+
+# ----------------------------------------------------------------------------- replica groups
+@pytest.mark.parametrize("text, groups", [
+    ("replica_groups={{0,2},{1,3}}, use_global_device_ids=true", [[0, 2], [1, 3]]),
+    ("replica_groups=[2,4]<=[8], dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, use_global", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, x", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
+     "{'axis_2'}, x", [[0, 4], [2, 6], [1, 5], [3, 7]]),
+])
+def test_replica_group_formats(text, groups):
+    got = hlo.replica_groups(text)
+    assert sorted(map(sorted, got)) == sorted(map(sorted, groups))
+
+
+def _compile_shard_map(mesh, f, spec, shape=(8, 64)):
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+    return g.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+
+
+@pytest.mark.parametrize("axes", [("dp",), ("fsdp",), ("tp",), ("dp", "tp"), ("fsdp", "tp")])
+def test_census_axes_match_the_collective(axes):
+    mesh = make_mesh(MeshConfig(dp=2, fsdp=2, tp=2))
+    text = _compile_shard_map(mesh, lambda x: jax.lax.psum(x * 2, axes), P(("dp", "fsdp", "tp")))
+    rows = inspect.census(text, mesh)
+    assert [(r["kind"], tuple(r["axes"]), r["count"]) for r in rows] == [("all-reduce", axes, 1)]
+    assert rows[0]["bytes"] == 64 * 4          # one local row of 64 fp32
+    n = 2 ** len(axes)
+    assert rows[0]["wire_bytes"] == int(64 * 4 * 2 * (n - 1) / n)
+
+
+def test_census_counts_loop_trips_and_permutes():
+    mesh = make_mesh(MeshConfig(dp=8))
+
+    def f(x):
+        def body(c, _):
+            c = jax.lax.psum(c, "dp") * 0.1
+            return jax.lax.ppermute(c, "dp", [(i, (i + 1) % 8) for i in range(8)]), None
+        return jax.lax.scan(body, x, None, length=5)[0]
+    rows = inspect.census(_compile_shard_map(mesh, f, P("dp")), mesh)
+    kinds = {r["kind"]: r for r in rows}
+    assert kinds["all-reduce"]["count"] == 5 and kinds["collective-permute"]["count"] == 5
+    assert kinds["collective-permute"]["axes"] == ["dp"]
+    assert kinds["all-reduce"]["bytes"] == 5 * 64 * 4
+
+
+def test_all_gather_and_reduce_scatter_bytes():
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    text = _compile_shard_map(mesh, lambda x: jax.lax.all_gather(x, "fsdp", tiled=True)[:1] * 0 + x,
+                              P("fsdp"))
+    ag = [r for r in inspect.census(text, mesh) if r["kind"] == "all-gather"]
+    assert ag and ag[0]["bytes"] == 8 * 64 * 4 and ag[0]["axes"] == ["fsdp"]
+
+
+# ----------------------------------------------------------------------------- plans
+@functools.lru_cache(maxsize=None)
+def _report(plan):
+    return inspect.report(tiny_config(*PLANS[plan], "model.n_kv_heads=8"))
+
+
+def _grad_bytes(rep_cfg_plan):
+    import math
+    from jaxscale.train.state import FunctionalModel
+    return sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(FunctionalModel(
+        tiny_config(*PLANS[rep_cfg_plan], "model.n_kv_heads=8").model).abstract_params))
+
+
+def test_dp_census_is_one_gradient_all_reduce_over_dp():
+    rep = _report("dp8")
+    assert {(r["kind"], tuple(r["axes"])) for r in rep["collectives"]} == {("all-reduce", ("dp",))}
+    # gradients plus a few scalars (token count, loss)
+    assert 0 <= rep["collectives"][0]["bytes"] - _grad_bytes("dp8") < 64
+    th = [t for t in rep["theory"] if t["kind"] == "all-reduce"][0]
+    assert abs(th["ratio"] - 1) < 1e-3
+
+
+def test_fsdp_census_gathers_params_and_reduces_grads_over_fsdp_only():
+    rep = _report("fsdp8")
+    assert {tuple(r["axes"]) for r in rep["collectives"]} == {("fsdp",)}
+    kinds = {r["kind"]: r for r in rep["collectives"]}
+    assert "all-gather" in kinds
+    # gradient reduction: reduce-scatter on GPU, all-reduce + slice on XLA:CPU
+    red = kinds.get("reduce-scatter") or kinds["all-reduce"]
+    assert abs(red["bytes"] - _grad_bytes("fsdp8")) < 64
+    # every parameter gathered at least once in the forward: >= full parameter bytes
+    assert kinds["all-gather"]["bytes"] >= _grad_bytes("fsdp8") * 7 / 8
+
+
+def test_tp_census_is_activation_all_reduces_over_tp_only():
+    rep = _report("tp8")
+    assert {(r["kind"], tuple(r["axes"])) for r in rep["collectives"]} == {("all-reduce", ("tp",))}
+    cfg = tiny_config(*PLANS["tp8"])
+    act = cfg.data.batch_size * cfg.data.seq_len * cfg.model.dim * 4
+    # at least the Megatron minimum: 4 per layer + embedding + head
+    assert rep["collectives"][0]["bytes"] >= (4 * cfg.model.n_layers + 2) * act
+    assert rep["collectives"][0]["count"] >= 4 * cfg.model.n_layers + 2
+
+
+def test_report_schema():
+    rep = _report("dp2xfsdp2xtp2")
+    assert {"memory", "collectives", "flops", "theory"} <= set(rep)
+    for c in rep["collectives"]:
+        assert set(c) >= {"kind", "count", "bytes", "axes"}
+        assert c["kind"] in hlo.COLLECTIVES and set(c["axes"]) <= {"dp", "fsdp", "tp"}
+    m = rep["memory"]
+    assert m["total"] == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0
+    # FLOPs: the HLO's matmul FLOPs equal the non-causal model formula (xla attention
+    # computes the masked half too)
+    cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"], "model.n_kv_heads=8")
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    dense = cfg.model.flops_per_token(cfg.data.seq_len, causal=False) * tokens / 8
+    assert abs(rep["flops"]["dot_flops"] / dense - 1) < 0.02
+    assert np.isfinite(rep["flops"]["xla_cost_analysis_flops"])
