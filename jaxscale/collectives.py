@@ -1,0 +1,451 @@
+"""Hand-written collectives from `jax.lax.ppermute`, and their alpha-beta cost model.
+
+XLA picks its own algorithm for `psum`, `all_gather` and `psum_scatter`. The functions here spell
+the classic algorithms out as point-to-point steps, to study them, to time them against the
+built-in ones, and as the skeleton that gradient compression later fills (compress before each
+send, decompress after each receive). Each one is numerically the built-in collective it names.
+
+Module functions take a device-local array and a mesh axis name (or a tuple of names, taken
+together in mesh order) and must be called inside `jax.shard_map`; `n` is the axis size and `S`
+the bytes of the full per-device buffer (as nccl-tests counts it). Collectives added, per device:
+
+=========================  =====================  ==========================  ===================
+function                   equals                 steps (ppermutes)           bytes sent
+=========================  =====================  ==========================  ===================
+ring_reduce_scatter        psum_scatter(tiled)    n-1, each S/n               (n-1)/n S
+ring_all_gather            all_gather(tiled)      n-1, each S/n (S = output)  (n-1)/n S
+ring_all_reduce            psum                   2(n-1), each S/n            2(n-1)/n S
+halving_doubling_all_...   psum (n = 2^k)         2 log2 n, S/2, S/4, ...     2(n-1)/n S
+recursive_doubling_all_..  psum (n = 2^k)         log2 n, each S              log2(n) S
+hierarchical_all_reduce    psum over two axes     2(a-1) inner + 2(b-1) outer 2(a-1)/a S inner,
+                           (inner a, outer b)                                 2(b-1)/(ab) S outer
+=========================  =====================  ==========================  ===================
+
+Ring and halving-doubling move the bandwidth-optimal 2(n-1)/n S; halving-doubling needs only
+2 log2 n latencies instead of 2(n-1); recursive doubling trades bandwidth (log2 n full buffers) for
+the fewest steps, which wins for small messages. The hierarchical all-reduce moves the same total,
+but only S/a of it over the outer (slow, inter-node) axis: with inter-node bandwidth below
+intra-node bandwidth it beats a flat ring over all a*b devices, whose every step waits on a hop
+that crosses nodes (`flat_ring_time` vs `hierarchical_time`).
+
+The loops are unrolled in Python: every step is one `collective-permute` in the compiled program,
+which makes the census exact and lets XLA overlap a step's add with the next transfer.
+
+Alpha-beta model (`predict_time`): t = steps * alpha + S * factor / bandwidth, where factor is the
+algorithm's bytes on the wire over S. For the bandwidth-optimal algorithms it is the nccl-tests
+busbw factor (`busbw_factor`): all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all
+(n-1)/n; broadcast and permute 1.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+AxisName = str | tuple[str, ...]
+
+#: Collective kinds of the benchmark and of the cost model.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "permute")
+#: Algorithms of the cost model; `all_reduce` below runs the ones that are all-reduces.
+ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "hierarchical")
+_MODEL_KINDS = {
+    "ring": KINDS,
+    "halving_doubling": ("all_reduce", "reduce_scatter", "all_gather"),
+    "recursive_doubling": ("all_reduce",),
+    "hierarchical": ("all_reduce",),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _size(axis_name: AxisName) -> int:
+    return int(jax.lax.axis_size(axis_name))
+
+
+def _ring(n: int, shift: int = 1) -> list[tuple[int, int]]:
+    return [(j, (j + shift) % n) for j in range(n)]
+
+
+def _xor(n: int, d: int) -> list[tuple[int, int]]:
+    return [(j, j ^ d) for j in range(n)]
+
+
+def _check_power_of_two(n: int, what: str, axis_name: AxisName) -> None:
+    if n < 1 or n & (n - 1):
+        raise ValueError(
+            f"{what} needs a power-of-two axis size, but axis {axis_name!r} has {n} devices. "
+            f"Use ring_all_reduce (any size), or a mesh whose axis size is 2, 4, 8, ...")
+
+
+def _flat_padded(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
+    """Flatten `x` and zero-pad it to a multiple of `multiple`; returns (flat, original size)."""
+    flat = x.reshape(-1)
+    pad = (-flat.shape[0]) % multiple
+    return (jnp.pad(flat, (0, pad)) if pad else flat), flat.shape[0]
+
+
+def _take(chunks: jax.Array, idx) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(chunks, idx, axis=0, keepdims=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# ring collectives
+# ---------------------------------------------------------------------------------------------
+def ring_reduce_scatter(x: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array:
+    """Ring reduce-scatter: device i gets block i (of n along `axis`) of the sum over devices.
+
+    Equals `jax.lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)`.
+    Step s (0..n-2): send the partial sum of block (i-s-1) mod n to i+1, receive block (i-s-2)
+    mod n from i-1 and add the local copy of it; after n-1 steps block i is complete.
+    """
+    n = _size(axis_name)
+    if x.shape[axis] % n:
+        raise ValueError(f"ring_reduce_scatter: dimension {axis} of shape {x.shape} is not "
+                         f"divisible by the {n} devices of axis {axis_name!r}")
+    x = jnp.moveaxis(x, axis, 0)
+    chunks_nC = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    i = jax.lax.axis_index(axis_name)
+    # one gather into send order: [k] = chunk (i - k - 1) mod n, sent (k=0) or added at step k-1
+    order_nC = jnp.take(chunks_nC, (i - 1 - jnp.arange(n)) % n, axis=0)
+    acc = order_nC[0]
+    for s in range(n - 1):
+        acc = jax.lax.ppermute(acc, axis_name, _ring(n)) + order_nC[s + 1]
+    return jnp.moveaxis(acc, 0, axis)
+
+
+def ring_all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array:
+    """Ring all-gather: concatenate every device's block along `axis`, in axis-index order.
+
+    Equals `jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)`. Step s forwards the block
+    received at step s-1 (its own at s=0) to i+1; the block arriving from i-1 is block (i-s-1).
+    The blocks are stacked in arrival order and put in place by one gather at the end (writing
+    each into a buffer at a traced offset, or a traced roll, costs more on XLA:CPU).
+    """
+    n = _size(axis_name)
+    x = jnp.moveaxis(x, axis, 0)
+    i = jax.lax.axis_index(axis_name)
+    got = [x]  # got[k] = block (i - k) mod n
+    for _ in range(n - 1):
+        got.append(jax.lax.ppermute(got[-1], axis_name, _ring(n)))
+    blocks_nC = jnp.take(jnp.stack(got), (i - jnp.arange(n)) % n, axis=0)  # [j] = block j
+    out = blocks_nC.reshape((n * x.shape[0],) + x.shape[1:])
+    return jnp.moveaxis(out, 0, axis)
+
+
+def ring_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Ring all-reduce = ring reduce-scatter + ring all-gather (2(n-1) steps). Equals `psum`.
+
+    Any shape: the array is flattened and zero-padded to a multiple of n.
+    """
+    n = _size(axis_name)
+    if n == 1:
+        return x
+    flat, size = _flat_padded(x, n)
+    out = ring_all_gather(ring_reduce_scatter(flat, axis_name), axis_name)
+    return out[:size].reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# power-of-two algorithms
+# ---------------------------------------------------------------------------------------------
+def halving_doubling_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Recursive halving reduce-scatter + recursive doubling all-gather (Rabenseifner).
+
+    Equals `psum`; needs a power-of-two axis size. Halving at distance d = n/2, n/4, ..., 1:
+    exchange with partner i XOR d, keep the half of the current segment selected by bit d of i
+    and add the partner's copy of it. After log2 n steps device i holds block i of the sum.
+    Doubling at d = 1, 2, ..., n/2 swaps segments with the same partners and concatenates.
+    """
+    n = _size(axis_name)
+    _check_power_of_two(n, "halving_doubling_all_reduce", axis_name)
+    if n == 1:
+        return x
+    flat, size = _flat_padded(x, n)
+    i = jax.lax.axis_index(axis_name)
+    seg = flat
+    d = n // 2
+    while d >= 1:  # reduce-scatter by recursive halving
+        half = seg.shape[0] // 2
+        bit = (i // d) % 2  # 1: keep the upper half, send the lower
+        halves_2H = seg.reshape(2, half)
+        send, keep = _take(halves_2H, 1 - bit), _take(halves_2H, bit)
+        seg = keep + jax.lax.ppermute(send, axis_name, _xor(n, d))
+        d //= 2
+    d = 1
+    while d < n:  # all-gather by recursive doubling
+        other = jax.lax.ppermute(seg, axis_name, _xor(n, d))
+        bit = (i // d) % 2  # 1: the partner's segment goes first
+        pair_2H = jnp.take(jnp.stack([seg, other]), jnp.stack([bit, 1 - bit]), axis=0)
+        seg = pair_2H.reshape(-1)
+        d *= 2
+    return seg[:size].reshape(x.shape)
+
+
+def recursive_doubling_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """log2 n steps, each exchanging the whole buffer with partner i XOR d and adding.
+
+    Equals `psum`; needs a power-of-two axis size. Latency-optimal, not bandwidth-optimal.
+    """
+    n = _size(axis_name)
+    _check_power_of_two(n, "recursive_doubling_all_reduce", axis_name)
+    d = 1
+    while d < n:
+        x = x + jax.lax.ppermute(x, axis_name, _xor(n, d))
+        d *= 2
+    return x
+
+
+def hierarchical_all_reduce(x: jax.Array, inner_axis: AxisName, outer_axis: AxisName, *,
+                            outer: str = "ring") -> jax.Array:
+    """Two-level all-reduce: ring reduce-scatter over `inner_axis` (inside a node), all-reduce of
+    the 1/a shard over `outer_axis` (across nodes; `outer` = "ring", "halving_doubling",
+    "recursive_doubling" or "psum"), ring all-gather over `inner_axis`.
+
+    Equals `psum(x, (outer_axis, inner_axis))`. Only S/a bytes per device cross nodes.
+    """
+    outer_fns: dict[str, Callable] = {
+        "ring": ring_all_reduce, "halving_doubling": halving_doubling_all_reduce,
+        "recursive_doubling": recursive_doubling_all_reduce, "psum": jax.lax.psum}
+    if outer not in outer_fns:
+        raise ValueError(f"unknown outer algorithm {outer!r}; valid: {', '.join(outer_fns)}")
+    a = _size(inner_axis)
+    flat, size = _flat_padded(x, a)
+    shard = ring_reduce_scatter(flat, inner_axis) if a > 1 else flat
+    shard = outer_fns[outer](shard, outer_axis)
+    full = ring_all_gather(shard, inner_axis) if a > 1 else shard
+    return full[:size].reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# global-array wrappers: x[k] is device k's local array, the result [k] is device k's result
+# ---------------------------------------------------------------------------------------------
+def _axes_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _check_global(x: jax.Array, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"axis {a!r} is not in the mesh axes {mesh.axis_names}")
+    n = math.prod(mesh.shape[a] for a in axes)
+    if x.ndim == 0 or x.shape[0] != n:
+        raise ValueError(f"expected a global array of shape ({n}, ...) holding one local array "
+                         f"per device of axes {axes}, got shape {x.shape}")
+
+
+def _per_device(fn: Callable, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
+    def body(block):
+        return fn(block[0])[None]
+    spec = P(axes if len(axes) > 1 else axes[0])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+_ALL_REDUCE: dict[str, Callable] = {
+    "ring": ring_all_reduce,
+    "halving_doubling": halving_doubling_all_reduce,
+    "recursive_doubling": recursive_doubling_all_reduce,
+    "psum": jax.lax.psum,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _all_reduce_fn(mesh: Mesh, axes: tuple[str, ...], algorithm: str) -> Callable:
+    if algorithm == "hierarchical":
+        if len(axes) != 2:
+            raise ValueError(f"hierarchical all-reduce needs two axes (outer, inner), got {axes}")
+        outer_axis, inner_axis = axes
+        fn = functools.partial(hierarchical_all_reduce, inner_axis=inner_axis,
+                               outer_axis=outer_axis)
+    elif algorithm in _ALL_REDUCE:
+        fn = functools.partial(_ALL_REDUCE[algorithm], axis_name=axes if len(axes) > 1 else axes[0])
+    else:
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; valid: "
+                         f"{', '.join([*_ALL_REDUCE, 'hierarchical'])}")
+    return _per_device(fn, mesh, axes)
+
+
+def all_reduce_fn(mesh: Mesh, axes: str | Sequence[str], algorithm: str = "ring") -> Callable:
+    """A jitted function: global (n, *local) -> (n, *local), each row the sum of all rows.
+
+    `algorithm` is one of "ring", "halving_doubling", "recursive_doubling", "hierarchical"
+    (two axes, outer first as in the mesh: `axes=("dp", "fsdp")` reduces inside `fsdp` first) or
+    "psum" (the built-in, for reference).
+    """
+    return _all_reduce_fn(mesh, _axes_tuple(axes), algorithm)
+
+
+def all_reduce(x: jax.Array, mesh: Mesh, axes: str | Sequence[str],
+               algorithm: str = "ring") -> jax.Array:
+    """Sum the n local arrays `x[k]` with a hand-written algorithm; see `all_reduce_fn`."""
+    axes = _axes_tuple(axes)
+    _check_global(x, mesh, axes)
+    return all_reduce_fn(mesh, axes, algorithm)(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_fn(kind: str, mesh: Mesh, axis: str) -> Callable:
+    fn = ring_reduce_scatter if kind == "reduce_scatter" else ring_all_gather
+    return _per_device(functools.partial(fn, axis_name=axis), mesh, (axis,))
+
+
+def reduce_scatter(x: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
+    """Ring reduce-scatter of the n local arrays `x[k]` (leading local dim divisible by n)."""
+    _check_global(x, mesh, (axis,))
+    return _ring_fn("reduce_scatter", mesh, axis)(x)
+
+
+def all_gather(x: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
+    """Ring all-gather of the n local arrays `x[k]`: every row of the result is their concat."""
+    _check_global(x, mesh, (axis,))
+    return _ring_fn("all_gather", mesh, axis)(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# alpha-beta cost model
+# ---------------------------------------------------------------------------------------------
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def busbw_factor(kind: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: busbw = algbw * factor (permute counted as 1)."""
+    _check_kind(kind)
+    if n < 1:
+        raise ValueError(f"need at least one device, got n={n}")
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Sequential steps (each paying alpha once), bytes each device sends, bytes it adds."""
+    steps: int
+    wire_bytes: float
+    reduced_bytes: float = 0.0
+
+    def time(self, alpha: float, bandwidth: float, gamma: float = 0.0) -> float:
+        """alpha-beta(-gamma): gamma is seconds per byte reduced (0: transfers only)."""
+        return self.steps * alpha + self.wire_bytes / bandwidth + self.reduced_bytes * gamma
+
+
+def cost(algorithm: str, kind: str, nbytes: float, n: int, *, n_inner: int | None = None) -> Cost:
+    """Steps and per-device wire bytes of `algorithm` for `kind` on n devices, S = `nbytes`.
+
+    `nbytes` is the full per-device buffer: the all-gather output, the reduce-scatter input.
+    Ring all-to-all is the pairwise exchange (n-1 steps of S/n); ring broadcast the pipelined
+    chain in its large-message limit (n-1 steps, S through every link). `n_inner` (hierarchical
+    only) is the inner group size; it must divide n.
+    """
+    _check_kind(kind)
+    if algorithm not in _MODEL_KINDS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    if kind not in _MODEL_KINDS[algorithm]:
+        raise ValueError(f"algorithm {algorithm!r} has no {kind}; it models "
+                         f"{', '.join(_MODEL_KINDS[algorithm])}")
+    if n < 1:
+        raise ValueError(f"need at least one device, got n={n}")
+    S = float(nbytes)
+    reduces = kind in ("all_reduce", "reduce_scatter")
+    if algorithm == "ring":
+        steps = {"all_reduce": 2 * (n - 1), "permute": 1}.get(kind, n - 1)
+        if n == 1:
+            return Cost(0, 0.0)
+        return Cost(steps, S * busbw_factor(kind, n), S * (n - 1) / n if reduces else 0.0)
+    if algorithm == "hierarchical":
+        if not n_inner or n % n_inner:
+            raise ValueError(f"hierarchical needs n_inner dividing n={n}, got {n_inner}")
+        a, b = n_inner, n // n_inner
+        return Cost(2 * (a - 1) + 2 * (b - 1), S * (2 * (a - 1) / a + 2 * (b - 1) / (a * b)),
+                    S * ((a - 1) / a + (b - 1) / (a * b)))
+    _check_power_of_two(n, algorithm, "n")
+    k = n.bit_length() - 1
+    if algorithm == "recursive_doubling":
+        return Cost(k, S * k, S * k)
+    steps = 2 * k if kind == "all_reduce" else k
+    return Cost(steps, S * busbw_factor(kind, n), S * (n - 1) / n if reduces else 0.0)
+
+
+def wire_bytes(algorithm: str, kind: str, nbytes: float, n: int, *,
+               n_inner: int | None = None) -> float:
+    """Theoretical bytes each device sends for one collective."""
+    return cost(algorithm, kind, nbytes, n, n_inner=n_inner).wire_bytes
+
+
+def predict_time(algorithm: str, kind: str, nbytes: float, n: int, alpha: float,
+                 bandwidth: float, *, n_inner: int | None = None, gamma: float = 0.0) -> float:
+    """t = steps * alpha + S * factor / bandwidth (seconds; alpha in s, bandwidth in bytes/s).
+
+    `gamma` > 0 adds the reduction arithmetic, gamma * bytes added per device (the alpha-beta-
+    gamma model); it matters where devices share compute, as simulated CPU devices do.
+    """
+    if alpha < 0 or bandwidth <= 0 or gamma < 0:
+        raise ValueError(f"need alpha >= 0, bandwidth > 0, gamma >= 0; got {alpha}, {bandwidth}, "
+                         f"{gamma}")
+    return cost(algorithm, kind, nbytes, n, n_inner=n_inner).time(alpha, bandwidth, gamma)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: per-message latency (s) and per-device bandwidth (bytes/s, one way)."""
+    alpha: float
+    bandwidth: float
+
+
+def hierarchical_time(nbytes: float, n_inner: int, n_outer: int, intra: Link,
+                      inter: Link) -> float:
+    """Two-level all-reduce: inner ring RS + AG over `intra`, outer ring AR of S/a over `inter`.
+
+    Assumes every device has its own inter-node link (one NIC per GPU, as on DGX nodes), so
+    the a outer rings run side by side.
+    """
+    a, b = n_inner, n_outer
+    t = 2 * (a - 1) * (intra.alpha + nbytes / (a * intra.bandwidth))
+    return t + 2 * (b - 1) * (inter.alpha + nbytes / (a * b * inter.bandwidth))
+
+
+def flat_ring_time(nbytes: float, n_inner: int, n_outer: int, intra: Link, inter: Link) -> float:
+    """Ring all-reduce over all a*b devices laid out node by node.
+
+    Each of the 2(N-1) steps is synchronous, and with more than one node b hops of the ring cross
+    nodes, so every step moves S/N over the slower link.
+    """
+    n = n_inner * n_outer
+    link = inter if n_outer > 1 else intra
+    slow = Link(max(intra.alpha, link.alpha), min(intra.bandwidth, link.bandwidth))
+    return 2 * (n - 1) * (slow.alpha + nbytes / (n * slow.bandwidth))
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Fit t = alpha + S / bandwidth to measured (S, t); returns (alpha, bandwidth).
+
+    Least squares on relative errors ((model - t) / t), so that microsecond points at small S
+    weigh as much as millisecond points at large S. alpha is clamped at 0; a non-positive slope
+    (times not growing with size) is an error.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError("fit_alpha_beta needs at least two (size, time) pairs of equal length")
+    if len(set(sizes)) < 2 or min(times) <= 0:
+        raise ValueError("fit_alpha_beta needs two different sizes and positive times")
+    # minimise sum ((alpha + slope*S) / t - 1)^2: normal equations of a 2x2 system
+    w = [1.0 / t for t in times]
+    a11 = sum(x * x for x in w)
+    a12 = sum(x * x * s for x, s in zip(w, sizes))
+    a22 = sum((x * s) ** 2 for x, s in zip(w, sizes))
+    b1, b2 = sum(w), sum(x * s for x, s in zip(w, sizes))
+    det = a11 * a22 - a12 * a12
+    alpha, slope = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    if alpha < 0:  # refit through the origin
+        alpha, slope = 0.0, b2 / a22
+    if slope <= 0:
+        raise ValueError("measured times do not grow with message size; cannot fit a bandwidth")
+    return alpha, 1.0 / slope
