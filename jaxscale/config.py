@@ -47,6 +47,13 @@ class OptimConfig:
 class PlanConfig:
     """Strategy options beyond the mesh degrees (which imply DP / FSDP / TP)."""
     donate: bool = True               # donate the train state to the step
+    precision: str = "fp32"           # fp32 | bf16 | fp16 (fp32 master weights for bf16/fp16)
+    loss_scale: bool = True           # dynamic loss scaling (fp16)
+    accumulate: int = 1               # micro-batches per optimizer step
+    remat: str = "none"               # none | full | save_dots | save_attention_out | offload |
+                                      # custom mapping "name:save|remat|offload,..."
+    offload: str = "none"             # none | optimizer | master | params, "+"-joined
+    zero: int = 0                     # 0 | 1 | 2 | 3 over the data-parallel devices
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Loss: token-mean cross entropy over the unmasked targets (sum of per-token losses divided by the
 number of real tokens, so padding never dilutes the mean). The step returns the new state and a
-dict of scalar metrics (loss, grad_norm, lr, tokens). The train state is donated: the old state's
+dict of scalar metrics (loss, grad_norm, lr, tokens, skipped). A step whose loss or gradient
+norm is not finite leaves parameters and optimizer state untouched and reports `skipped=1`;
+what to do next (carry on or stop) is the loop's policy. The train state is donated: the old state's
 buffers are reused for the new one, so peak memory holds one copy of it, not two.
 """
 from __future__ import annotations
@@ -50,9 +52,15 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan,
             (loss, ntok), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step), "tokens": ntok}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite loss or gradient never reaches the parameters or the optimizer state:
+        # the update is skipped (the step counter still advances: it counts batches consumed).
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "tokens": ntok, "skipped": (~finite).astype(jnp.int32)}
+        return TrainState(state.step + 1, keep(params, state.params),
+                          keep(opt_state, state.opt_state)), metrics
 
     return train_step
 
