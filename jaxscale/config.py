@@ -48,7 +48,7 @@ class PlanConfig:
     """Strategy options beyond the mesh degrees (which imply DP / FSDP / TP)."""
     donate: bool = True               # donate the train state to the step
     precision: str = "fp32"           # fp32 | bf16 | fp16 (fp32 master weights for bf16/fp16)
-    loss_scale: bool = True           # dynamic loss scaling (fp16)
+    loss_scale: str = "auto"          # auto (dynamic for fp16) | dynamic | none | initial scale
     accumulate: int = 1               # micro-batches per optimizer step
     remat: str = "none"               # none | full | save_dots | save_attention_out | offload |
                                       # custom mapping "name:save|remat|offload,..."
@@ -65,6 +65,16 @@ class TrainConfig:
     seed: int = 0
     peak_flops: float = 0.0           # per device; 0: from the hardware table
     out: str = ""                     # run directory; "" -> runs/<name>
+    nonfinite: str = "skip"           # non-finite loss or grad norm: skip the update | stop the run
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100                  # save every N steps; 0: only at the end and on preemption
+    keep: int = 3                     # keep the latest K checkpoints ...
+    keep_every: int = 0               # ... plus every step that is a multiple of M (0: none)
+    async_save: bool = True           # write in the background while training continues
+    dir: str = ""                     # "" -> <run dir>/checkpoints
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------- overrides

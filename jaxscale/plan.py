@@ -73,12 +73,36 @@ def validate(cfg, n_devices: int) -> MeshConfig:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         errs.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                     f"{cfg.model.max_seq_len}")
+    errs += _validate_plan_options(cfg, mesh_cfg)
     if jax.process_count() > 1 and cfg.data.batch_size % jax.process_count():
         errs.append(f"data.batch_size={cfg.data.batch_size} is not divisible by the "
                     f"{jax.process_count()} processes")
     if errs:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
     return mesh_cfg
+
+
+def _validate_plan_options(cfg, mesh_cfg) -> list[str]:
+    from jaxscale.strategies import offload, precision, remat, zero
+    errs = []
+    try:
+        pol = precision.policy(cfg.plan)
+    except ValueError as e:
+        return [str(e)]
+    try:
+        remat.parse(cfg.plan.remat)
+    except ValueError as e:
+        errs.append(str(e))
+    errs += offload.validate(cfg.plan, pol.master)
+    errs += zero.validate(cfg.plan, mesh_cfg)
+    k = cfg.plan.accumulate
+    data = mesh_cfg.dp * mesh_cfg.fsdp
+    if k < 1:
+        errs.append(f"plan.accumulate={k} must be >= 1")
+    elif cfg.data.batch_size % (k * data):
+        errs.append(f"data.batch_size={cfg.data.batch_size} must be divisible by plan.accumulate x "
+                    f"dp x fsdp = {k} x {data}: each micro-batch is split over the data axes")
+    return errs
 
 
 def build(cfg, devices=None) -> Plan:

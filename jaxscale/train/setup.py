@@ -1,11 +1,12 @@
 """Everything a run needs, built from a `Config` in the one order that matters.
 
-plan (validated against the devices) -> abstract model -> optimizer -> state shardings ->
-jitted train / eval steps. `train`, `inspect`, `profile` and the tests all start here, so what
-is inspected is exactly what is trained.
+plan (validated against the devices) -> precision policy -> abstract model -> optimizer ->
+state layout (ZeRO stage, offload) and shardings -> jitted train / eval steps. `train`, `inspect`,
+`profile` and the tests all start here, so what is inspected is exactly what is trained.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import plan as plan_lib
+from jaxscale.strategies import precision, remat
 from jaxscale.train import state as state_lib
 from jaxscale.train import step as step_lib
 
@@ -21,18 +23,22 @@ from jaxscale.train import step as step_lib
 class Setup:
     cfg: Any
     plan: plan_lib.Plan
+    policy: precision.Policy
     model: state_lib.FunctionalModel
     optimizer: Any
     schedule: Any
+    layout: state_lib.StateLayout
     state_shardings: state_lib.TrainState
     train_step: Any          # jitted
     eval_step: Any           # jitted
 
     def init_state(self) -> state_lib.TrainState:
-        return state_lib.init_state(self.model, self.optimizer, self.plan, self.cfg.train.seed)
+        return state_lib.init_state(self.model, self.optimizer, self.policy, self.state_shardings,
+                                    self.plan, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:
-        return state_lib.abstract_state(self.model, self.optimizer, self.plan)
+        return state_lib.abstract_state(self.model, self.optimizer, self.policy,
+                                        self.state_shardings)
 
     def abstract_batch(self) -> dict:
         B, T = self.cfg.data.batch_size, self.cfg.data.seq_len
@@ -48,12 +54,20 @@ class Setup:
             return self.train_step.lower(self.abstract_state(), self.abstract_batch())
 
 
-def build(cfg, devices=None) -> Setup:
+def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     plan = plan_lib.build(cfg, devices)
-    model = state_lib.FunctionalModel(cfg.model)
+    pol = precision.policy(cfg.plan)
+    model = state_lib.FunctionalModel(dataclasses.replace(
+        cfg.model, dtype=pol.compute_dtype, param_dtype="float32"))
     optimizer, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
-    shardings = state_lib.state_shardings(model, optimizer, plan)
-    train_fn = step_lib.make_train_step(model, optimizer, schedule, plan)
-    train_step = step_lib.jit_train_step(train_fn, shardings, plan, donate=cfg.plan.donate)
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, plan), shardings, plan)
-    return Setup(cfg, plan, model, optimizer, schedule, shardings, train_step, eval_step)
+    lay = state_lib.layout(model, plan, pol, cfg.plan)
+    host_sh = state_lib.state_shardings(model, optimizer, plan, lay)
+    dev_sh = state_lib.state_shardings(model, optimizer, plan, lay, on_device=True)
+    train_fn = step_lib.make_train_step(model, optimizer, schedule, plan, pol, lay, dev_sh,
+                                        host_sh, k=cfg.plan.accumulate,
+                                        block_wrapper=remat.block_wrapper(cfg.plan.remat))
+    train_step = step_lib.jit_train_step(train_fn, host_sh, plan,
+                                         donate=cfg.plan.donate if donate is None else donate)
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, plan, dev_sh.params),
+                                       host_sh, plan)
+    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, train_step, eval_step)

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -57,8 +58,10 @@ class FunctionalModel:
 @dataclass
 class TrainState:
     step: jax.Array
-    params: Any
+    params: Any                 # working parameters (compute precision policy's param dtype)
     opt_state: Any
+    master: Any = None          # fp32 master weights (16-bit policies), else None
+    loss_scale: Any = None      # {"scale", "good_steps"} for dynamic loss scaling, else None
 
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Any]:
@@ -68,8 +71,7 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
         decay_steps=max(decay, optim.warmup_steps + 1), end_value=optim.lr * optim.min_lr_ratio)
     parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                             weight_decay=optim.weight_decay,
-                             mask=_decay_mask))
+                             weight_decay=optim.weight_decay, mask=_decay_mask))
     return optax.chain(*parts), schedule
 
 
@@ -79,31 +81,87 @@ def _decay_mask(params):
         lambda path, _: not any(getattr(k, "key", None) == "scale" for k in path), params)
 
 
-def state_shardings(model: FunctionalModel, optimizer, plan) -> TrainState:
-    """Shardings for the whole train state: optimizer moments follow their parameters."""
-    p_sh = model.param_shardings(plan)
+@dataclass
+class StateLayout:
+    """Mesh specs and memory kinds of each part of the train state, from the plan's strategies."""
+    param_specs: Any        # the working parameters (ZeRO-3: sharded over dp too)
+    model_specs: Any        # the parameters as the model rules shard them (what compute sees)
+    shard_specs: Any        # master / optimizer / ZeRO-2 gradients
+    master: bool
+    loss_scale: bool
+    offload: frozenset
+    zero: int
+
+
+def layout(model: FunctionalModel, plan, policy, plan_cfg) -> StateLayout:
+    from jaxscale.strategies import offload, zero
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    model_specs = model.param_specs(plan)
+    z = plan_cfg.zero
+    zspecs = jax.tree.map(lambda sp, a: zero.shard_spec(sp, a.shape, sizes), model_specs,
+                          model.abstract_params, is_leaf=_is_spec) if z else model_specs
+    return StateLayout(param_specs=zspecs if z == 3 else model_specs, model_specs=model_specs,
+                       shard_specs=zspecs, master=policy.master,
+                       loss_scale=policy.loss_scale is not None,
+                       offload=offload.parse(plan_cfg.offload), zero=z)
+
+
+def _named(plan, specs, kind=None):
+    return jax.tree.map(lambda sp: NamedSharding(plan.mesh, sp, memory_kind=kind), specs,
+                        is_leaf=_is_spec)
+
+
+def state_shardings(model: FunctionalModel, optimizer, plan, lay: StateLayout,
+                    on_device: bool = False) -> TrainState:
+    """Shardings for the whole train state; optimizer moments follow the tensors they update.
+
+    `on_device=True` gives the same shardings with every part in device memory (what the step
+    computes with after bringing offloaded parts over)."""
+    def kind(part):
+        return "pinned_host" if (part in lay.offload and not on_device) else None
+    opt_target = lay.shard_specs if (lay.master or lay.zero) else lay.param_specs
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt,
+                                   _named(plan, opt_target, kind("optimizer")),
                                    transform_non_params=lambda _: plan.replicated())
-    return TrainState(step=plan.replicated(), params=p_sh, opt_state=opt_sh)
+    rep = plan.replicated()
+    return TrainState(
+        step=rep, params=_named(plan, lay.param_specs, kind("params")), opt_state=opt_sh,
+        master=_named(plan, lay.shard_specs, kind("master")) if lay.master else None,
+        loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None)
 
 
-def abstract_state(model: FunctionalModel, optimizer, plan) -> TrainState:
-    shardings = state_shardings(model, optimizer, plan)
-    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, jax.random.key(0)))
+def _fresh(model, optimizer, policy, key) -> TrainState:
+    from jaxscale.strategies.precision import cast_tree, init_loss_scale
+    master = model.init(key)                     # initialised in fp32
+    params = cast_tree(master, policy.param_dtype) if policy.master else master
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(master), master=master if policy.master else None,
+                      loss_scale=init_loss_scale(policy))
+
+
+def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState) -> TrainState:
+    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, policy, jax.random.key(0)))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
 
-def _fresh(model, optimizer, key) -> TrainState:
-    params = model.init(key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
-
-def init_state(model: FunctionalModel, optimizer, plan, seed: int) -> TrainState:
-    """Create the train state directly in its shards."""
-    shardings = state_shardings(model, optimizer, plan)
+def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState, plan,
+               seed: int) -> TrainState:
+    """Create the train state directly in its shards (and memory kinds)."""
     with jax.set_mesh(plan.mesh):
-        return jax.jit(lambda k: _fresh(model, optimizer, k), out_shardings=shardings)(
+        return jax.jit(lambda k: _fresh(model, optimizer, policy, k), out_shardings=shardings)(
             jax.random.key(seed))
+
+
+def state_bytes(abstract: TrainState) -> dict[str, dict[str, float]]:
+    """Per-device bytes of each part of the state, split by memory kind."""
+    out: dict[str, dict[str, float]] = {}
+    for part in ("params", "opt_state", "master", "loss_scale"):
+        for leaf in jax.tree.leaves(getattr(abstract, part)):
+            sh = leaf.sharding
+            local = sh.shard_shape(leaf.shape)
+            kind = sh.memory_kind or "device"
+            d = out.setdefault(part, {})
+            d[kind] = d.get(kind, 0.0) + float(np.prod(local)) * np.dtype(leaf.dtype).itemsize
+    return out

@@ -1,11 +1,16 @@
 """The pure train and eval steps, and their jitted, sharded forms.
 
-Loss: token-mean cross entropy over the unmasked targets (sum of per-token losses divided by the
-number of real tokens, so padding never dilutes the mean). The step returns the new state and a
-dict of scalar metrics (loss, grad_norm, lr, tokens, skipped). A step whose loss or gradient
-norm is not finite leaves parameters and optimizer state untouched and reports `skipped=1`;
-what to do next (carry on or stop) is the loop's policy. The train state is donated: the old state's
-buffers are reused for the new one, so peak memory holds one copy of it, not two.
+Loss: token-mean cross entropy over the unmasked targets: the sum of per-token losses over every
+micro-batch divided by the number of real tokens in the whole batch, so padding never dilutes the
+mean and k micro-batches give the gradients of one k-times batch.
+
+One step, in order: offloaded state to the device; k micro-batch gradients (of the loss times the
+loss scale) summed in a `lax.scan`; division by tokens x scale; the gradients' sharding for the
+ZeRO stage (replicated over dp for 0/1, sharded for 2/3); the optimizer update of the fp32 master
+(or of the parameters); the new 16-bit working parameters; state back to its memory kinds. A step
+whose loss or gradient norm is not finite leaves parameters, master and optimizer state untouched,
+reports `skipped=1` and (with loss scaling) halves the scale; carrying on or stopping is the
+loop's policy. The train state is donated: its buffers are reused for the new state.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxscale.axes import use_rules
-from jaxscale.train.state import FunctionalModel, TrainState
+from jaxscale.strategies import accumulate
+from jaxscale.strategies.precision import cast_tree, update_loss_scale
+from jaxscale.train.state import FunctionalModel, StateLayout, TrainState
 
 
 def batch_logical() -> dict[str, tuple[str, ...]]:
@@ -36,6 +43,7 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
 
 
 def make_loss_fn(model: FunctionalModel, block_wrapper: Callable | None = None):
+    """Token-mean loss of one batch: (loss, tokens)."""
     def loss_fn(params, batch):
         logits = model.apply(params, batch["inputs"], block_wrapper=block_wrapper)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
@@ -43,42 +51,77 @@ def make_loss_fn(model: FunctionalModel, block_wrapper: Callable | None = None):
     return loss_fn
 
 
-def make_train_step(model: FunctionalModel, optimizer, schedule, plan,
+def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, lay: StateLayout,
+                    device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
-    loss_fn = make_loss_fn(model, block_wrapper)
+    mesh = plan.mesh
+
+    def sum_loss(params, batch, scale):
+        logits = model.apply(params, batch["inputs"], block_wrapper=block_wrapper)
+        total, n = token_loss(logits, batch["targets"], batch["mask"])
+        return total * scale, (total, n)
+
+    def to(tree, shardings):
+        return None if tree is None else jax.device_put(tree, shardings)
 
     def train_step(state: TrainState, batch):
-        with use_rules(plan.mesh, plan.rules):
-            (loss, ntok), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite loss or gradient never reaches the parameters or the optimizer state:
-        # the update is skipped (the step counter still advances: it counts batches consumed).
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        with use_rules(mesh, plan.rules):
+            params = to(state.params, device_sh.params)
+            opt_state = to(state.opt_state, device_sh.opt_state)
+            master = to(state.master, device_sh.master)
+            scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
+            grads, (total, ntok) = accumulate.grads(
+                lambda p, b: sum_loss(p, b, scale), params, batch, k)
+            denom = jnp.maximum(ntok, 1.0) * scale
+            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
+            grad_specs = lay.shard_specs if lay.zero >= 2 else lay.param_specs
+            grads = jax.lax.with_sharding_constraint(grads, _specs_to_sharding(mesh, grad_specs))
+            loss = total / jnp.maximum(ntok, 1.0)
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            target = master if master is not None else params
+            updates, new_opt = optimizer.update(grads, opt_state, target)
+            new_target = optax.apply_updates(target, updates)
+            new_params = cast_tree(new_target, policy.param_dtype) if master is not None \
+                else new_target
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=to(keep(new_params, params), host_sh.params),
+            opt_state=to(keep(new_opt, opt_state), host_sh.opt_state),
+            master=to(keep(new_target, master), host_sh.master) if master is not None else None,
+            loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "tokens": ntok, "skipped": (~finite).astype(jnp.int32)}
-        return TrainState(state.step + 1, keep(params, state.params),
-                          keep(opt_state, state.opt_state)), metrics
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale["scale"]
+        return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(model: FunctionalModel, plan):
+def _specs_to_sharding(mesh, specs):
+    from jax.sharding import PartitionSpec as P
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def make_eval_step(model: FunctionalModel, plan, device_param_sh):
     def eval_step(params, batch):
         with use_rules(plan.mesh, plan.rules):
-            logits = model.apply(params, batch["inputs"])
+            logits = model.apply(jax.device_put(params, device_param_sh), batch["inputs"])
         return token_loss(logits, batch["targets"], batch["mask"])
     return eval_step
 
 
 def jit_train_step(step_fn, state_sh: TrainState, plan, donate: bool = True):
-    metric_sh = plan.replicated()
     return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(plan)),
-                   out_shardings=(state_sh, metric_sh), donate_argnums=(0,) if donate else ())
+                   out_shardings=(state_sh, plan.replicated()),
+                   donate_argnums=(0,) if donate else ())
 
 
 def jit_eval_step(eval_fn, state_sh: TrainState, plan):
     return jax.jit(eval_fn, in_shardings=(state_sh.params, batch_shardings(plan)),
                    out_shardings=plan.replicated())
+
