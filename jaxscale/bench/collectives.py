@@ -230,6 +230,9 @@ def run_sweep(cfg: SweepConfig, log=print) -> dict:
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={world} before jax "
                          f"is imported)")
     side = JaxSide(world)
+    if world == 1:
+        log("WARNING: world size 1: every collective is a local copy. On CPU, set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 before jax is imported (main does).")
     max_bytes = cfg.max_bytes or (CPU_MAX_BYTES if side.platform == "cpu" else GPU_MAX_BYTES)
     swept = sizes(cfg.min_bytes, max_bytes, cfg.factor)
     backend = cfg.torch_backend
@@ -319,7 +322,7 @@ def _add_model(result: dict, calib: dict[int, tuple[float, float]], chain: int, 
 # ---------------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------------
-def _fmt_size(b: float) -> str:
+def fmt_size(b: float) -> str:
     return f"{b / MiB:.0f} MiB" if b >= MiB else f"{b / KiB:.0f} KiB" if b >= KiB else f"{b:.0f} B"
 
 
@@ -352,7 +355,7 @@ def format_report(result: dict) -> str:
             cell = lambda r: (f"{r['time_s'] * 1e6:>10.1f} {r['algbw'] / 1e9:>7.3f} "  # noqa: E731
                               f"{r['busbw'] / 1e9:>7.3f}" if r else f"{'-':>10} {'-':>7} {'-':>7}")
             q = rat.get((kind, nbytes))
-            lines.append(f"{_fmt_size(nbytes):>8} {cell(j)} | {cell(t)} | "
+            lines.append(f"{fmt_size(nbytes):>8} {cell(j)} | {cell(t)} | "
                          f"{(f'{q:.2f}' if q else '-'):>15}")
     if result["torch_error"]:
         lines += ["", f"TORCH SIDE FAILED: {result['torch_error']}"]
@@ -368,7 +371,7 @@ def format_report(result: dict) -> str:
             t, p = r["time_s"], r.get("predicted_s")
             model = f"{p * 1e6:.1f}" if p else "-"
             over = f"{t / p:.2f}" if p else "-"
-            lines.append(f"{_fmt_size(r['nbytes']):>8} {r['algorithm']:>19} {t * 1e6:>12.1f} "
+            lines.append(f"{fmt_size(r['nbytes']):>8} {r['algorithm']:>19} {t * 1e6:>12.1f} "
                          f"{model:>10} {over:>10} {r.get('vs_psum', float('nan')):>8.2f}")
     return "\n".join(lines)
 
@@ -412,7 +415,8 @@ def save(result: dict, out: str | Path) -> tuple[Path, Path]:
         if ax.lines:
             ax.legend(fontsize=6)
     axs[1].axhline(1.0, color="gray", lw=0.8)
-    axs[2].set_yscale("log")
+    for ax in axs:
+        ax.set_yscale("log")
     fig.tight_layout()
     png = out / "collectives.png"
     fig.savefig(png, dpi=110)
