@@ -24,12 +24,14 @@ hierarchical_all_reduce    psum over two axes     2(a-1) inner + 2(b-1) outer 2(
 Ring and halving-doubling move the bandwidth-optimal 2(n-1)/n S; halving-doubling needs only
 2 log2 n latencies instead of 2(n-1); recursive doubling trades bandwidth (log2 n full buffers) for
 the fewest steps, which wins for small messages. The hierarchical all-reduce moves the same total,
-but only S/a of it over the outer (slow, inter-node) axis: with inter-node bandwidth below
+but all-reduces only a shard of S/a over the outer (slow, inter-node) axis: with inter-node bandwidth below
 intra-node bandwidth it beats a flat ring over all a*b devices, whose every step waits on a hop
 that crosses nodes (`flat_ring_time` vs `hierarchical_time`).
 
-The loops are unrolled in Python: every step is one `collective-permute` in the compiled program,
-which makes the census exact and lets XLA overlap a step's add with the next transfer.
+The loops are unrolled in Python: every step is one `collective-permute` in the compiled program
+(and nothing else is a collective), which keeps the census exact. On simulated CPU devices every
+permute is a rendezvous of all device threads (~0.1 ms on 2 cores), so there the algorithms rank
+by step count and one fused `psum` wins; `experiments/10_collectives.py` measures it.
 
 Alpha-beta model (`predict_time`): t = steps * alpha + S * factor / bandwidth, where factor is the
 algorithm's bytes on the wire over S. For the bandwidth-optimal algorithms it is the nccl-tests
