@@ -1,6 +1,6 @@
 """Experiment 24: attention memory, quadratic (xla) vs linear (blockwise / Pallas FlashAttention).
 
-Run (CPU, about two minutes; compiles only, nothing of size 16k is executed):
+Run (CPU, two to three minutes; parts 1-2 compile only, nothing of size 16k is executed):
 
     python experiments/24_flash_attention.py --out runs/exp24
 
@@ -15,7 +15,10 @@ column is indicative only. The ratios at 2k and 4k are printed next to FlashAtte
 
 Part 2 compiles a tiny-LLaMA training step (forward + backward of the loss) at a long sequence and
 checks the compiled per-device total against a stated memory budget: `xla` does not fit, `blockwise`
-does. Writes results.json, memory.png and a markdown table to --out.
+does. Part 3 (skip with --no-speed) times forward+backward on this CPU, xla vs blockwise, H=8,
+D=64, causal and not: the ratios behind `attention(implementation="auto")`'s CPU rule (absolute CPU
+times mean little; the ratio within one run is the figure). Writes results.json, memory.png and a
+markdown table to --out.
 """
 from __future__ import annotations
 
@@ -76,6 +79,21 @@ def llama_step_memory(impl: str, T: int, B: int = 1) -> dict:
             "compile_s": round(time.time() - t0, 2)}
 
 
+def cpu_speed(impl: str, T: int, causal: bool, H=8, D=64, reps=3) -> float:
+    """Fastest of `reps` forward+backward runs, seconds."""
+    from jaxscale.attention import attention
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, T, H, D), jnp.float32)
+    f = jax.jit(jax.grad(lambda q, k, v: attention(q, k, v, causal=causal,
+                                                   implementation=impl).sum(), argnums=(0, 1, 2)))
+    jax.block_until_ready(f(q, q, q))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(q, q, q))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -102,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--max-seq", type=int, default=16384)
     ap.add_argument("--pallas-max-seq", type=int, default=8192)
     ap.add_argument("--llama-seq", type=int, default=16384)
+    ap.add_argument("--no-speed", action="store_true", help="skip the CPU timing table")
     ap.add_argument("--budget-gib", type=float, default=8.0,
                     help="per-device memory budget for the long-sequence demonstration")
     args = ap.parse_args(argv)
@@ -142,6 +161,16 @@ def main(argv=None):
         r["fits"] = r["total"] <= budget
         lines.append(f"| {r['impl']} | {r['total'] / 2 ** 30:.2f} | {r['temp'] / 2 ** 30:.2f} | "
                      f"{'fits' if r['fits'] else 'DOES NOT FIT'} |")
+    speed = []
+    if not args.no_speed:
+        lines += ["", "CPU forward+backward time, blockwise / xla (H=8, D=64, B=1; one run, "
+                  "ratios only)", "", "| seq | causal | xla ms | blockwise ms | blockwise/xla |",
+                  "|---:|---|---:|---:|---:|"]
+        for T in (256, 512, 1024, 2048):
+            for causal in (True, False):
+                x, b = cpu_speed("xla", T, causal), cpu_speed("blockwise", T, causal)
+                speed.append({"T": T, "causal": causal, "xla_s": x, "blockwise_s": b})
+                lines.append(f"| {T} | {causal} | {x * 1e3:.1f} | {b * 1e3:.1f} | {b / x:.2f} |")
     table = "\n".join(lines)
     print(table)
 
@@ -149,7 +178,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "table.md"), "w") as fh:
         fh.write(table + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"attention": rows, "llama": llama, "budget_bytes": budget,
+        json.dump({"attention": rows, "llama": llama, "budget_bytes": budget, "cpu_speed": speed,
                    "jax": jax.__version__, "device": jax.devices()[0].device_kind}, fh, indent=1)
     print(f"\nwrote {args.out}/memory.png, table.md, results.json")
 

@@ -10,9 +10,11 @@
 
 `auto`: on a CUDA GPU, `cudnn` when it accepts the call (bf16/fp16, head_dim a multiple of 8 and
 <= 128, or <= 256 on Hopper and later, no packed segment ids, no non-causal window), else `pallas`.
-On CPU (or any other backend) `xla` while the score matrix is small (T·S <= AUTO_XLA_MAX_SCORES,
-where it is both faster and fits) and `blockwise` beyond, where the quadratic score memory of `xla`
-starts to dominate (see experiments/24_flash_attention.py and docs/attention.md).
+On CPU (or any other backend) `xla` while the score matrix is small (T·S <= AUTO_XLA_MAX_SCORES =
+512², where it is about as fast or faster) and `blockwise` beyond: measured on CPU (forward+backward,
+H=8, D=64), blockwise takes 0.3-0.4x xla's time from T=1k on (it skips masked tiles and never writes
+the [T, S] probabilities) and its memory is linear; see experiments/24_flash_attention.py (speed
+table) and docs/attention.md.
 All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA
 without repeating K/V, rows with no allowed key give zeros.
 """
@@ -25,8 +27,8 @@ from jaxscale.kernels.reference import reference_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas")
 
-#: `auto` on CPU keeps `xla` up to this many scores per (batch, head) (1024 x 1024).
-AUTO_XLA_MAX_SCORES = 1024 * 1024
+#: `auto` off-GPU keeps `xla` up to this many scores per (batch, head) (512 x 512).
+AUTO_XLA_MAX_SCORES = 512 * 512
 
 
 def _on_cuda_gpu() -> bool:

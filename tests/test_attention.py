@@ -268,3 +268,25 @@ def test_pallas_lowers_to_triton(dtype, D, T, H, K, kw):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3    # forward, dq, dk/dv kernels
+
+
+def test_gpu_bench_refuses_on_cpu_and_smoke_runs(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "gpu_flash_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_flash_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit, match="not an NVIDIA GPU.*--allow-cpu"):
+        bench.main(["--out", str(tmp_path)])
+    bench.main(["--allow-cpu", "--out", str(tmp_path), "--seqs", "32", "--head-dims", "64",
+                "--impls", "pallas,cudnn"])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["meta"]["device_kind"] and result["meta"]["date"]
+    pallas = [r for r in result["rows"] if r["impl"] == "pallas"]
+    assert len(pallas) == 2 and all(r["rel_err_vs_xla_fp32"] < 2e-2 for r in pallas)
+    assert all("needs an NVIDIA GPU" in r["error"] for r in result["rows"] if r["impl"] == "cudnn")
+    assert bench.attention_flops(1, 1024, 16, 128, causal=True, backward=True) == \
+        4 * 1024 ** 2 * 128 * 16 * 0.5 * 3.5
+    assert "| pallas |" in (tmp_path / "results.md").read_text()
