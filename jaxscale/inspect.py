@@ -163,3 +163,40 @@ def report(cfg, devices=None) -> dict:
         "flops": fl,
         "theory": theory_vs_census(plan_lib.theory(cfg, setup.plan, setup.model), observed),
     }
+
+
+def offloaded_activation_bytes(fn, *args) -> float:
+    """Bytes a program's remat policy sends to host memory per call (all devices together).
+
+    Read from the jaxpr: each `device_put` into host memory space that the checkpoint policy
+    inserted, times the trip count of the scans around it. (XLA:CPU keeps both memory kinds in the
+    same RAM and drops the annotations when compiling; on GPU the compiled program's host buffers
+    show the same bytes.)"""
+    import jax
+
+    def walk(jaxpr, times):
+        total = 0.0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "device_put":
+                for dev, v in zip(eqn.params.get("devices", ()), eqn.outvars):
+                    if "host" in str(dev).lower():
+                        total += times * v.aval.size * v.aval.dtype.itemsize
+            mult = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        total += walk(inner, times * mult)
+        return total
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1.0)
+
+
+def donation_report(cfg, devices=None) -> dict:
+    """Peak per-device memory of the train step with and without donating the train state."""
+    from jaxscale.train.setup import build
+    out = {}
+    for donate in (True, False):
+        mem = memory(build(cfg, devices, donate=donate).lower_train_step().compile())
+        out["donated" if donate else "not_donated"] = mem
+    out["saved_bytes"] = out["not_donated"]["total"] - out["donated"]["total"]
+    return out

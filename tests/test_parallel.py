@@ -5,8 +5,6 @@ import pytest
 
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
-from jaxscale.train.step import make_loss_fn
-from jaxscale.axes import use_rules
 from tests.helpers import MESH_1, PLANS, tiny_config
 
 
@@ -14,19 +12,12 @@ def _trajectory(cfg, devices):
     setup = build(cfg, devices)
     corpus = load_corpus(cfg.data)
     batches = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
-    loss_fn = make_loss_fn(setup.model)
-
-    def grad_fn(params, batch):
-        with use_rules(setup.plan.mesh, setup.plan.rules):
-            return jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-    grads_jit = jax.jit(grad_fn, in_shardings=(setup.state_shardings.params,
-                                               setup.batch_shardings()),
-                        out_shardings=setup.state_shardings.params)
+    grads_jit = setup.jit_grads()
     state = setup.init_state()
     losses, grads = [], []
     for i in range(3):
         batch = batches.device_batch(i, setup.batch_shardings())
-        grads.append(jax.device_get(grads_jit(state.params, batch)))
+        grads.append(jax.device_get(grads_jit(state.params, batch)[0]))
         state, m = setup.train_step(state, batch)
         losses.append(float(m["loss"]))
     return losses, grads, jax.device_get(state.params)

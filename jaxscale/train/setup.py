@@ -31,6 +31,18 @@ class Setup:
     state_shardings: state_lib.TrainState
     train_step: Any          # jitted
     eval_step: Any           # jitted
+    grads_fn: Any            # (params, batch, scale) -> (grads, loss, tokens); pure, for tools
+
+    def jit_grads(self):
+        """`grads_fn` jitted with the plan's shardings (parameters in device memory)."""
+        from jaxscale.axes import use_rules
+        dev = state_lib.state_shardings(self.model, self.optimizer, self.plan, self.layout,
+                                        on_device=True)
+
+        def f(params, batch, scale=1.0):
+            with use_rules(self.plan.mesh, self.plan.rules):
+                return self.grads_fn(params, batch, scale)
+        return jax.jit(f, in_shardings=(dev.params, self.batch_shardings(), None))
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model, self.optimizer, self.policy, self.state_shardings,
@@ -63,11 +75,13 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     lay = state_lib.layout(model, plan, pol, cfg.plan)
     host_sh = state_lib.state_shardings(model, optimizer, plan, lay)
     dev_sh = state_lib.state_shardings(model, optimizer, plan, lay, on_device=True)
+    wrapper = remat.block_wrapper(cfg.plan.remat)
     train_fn = step_lib.make_train_step(model, optimizer, schedule, plan, pol, lay, dev_sh,
-                                        host_sh, k=cfg.plan.accumulate,
-                                        block_wrapper=remat.block_wrapper(cfg.plan.remat))
+                                        host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper)
     train_step = step_lib.jit_train_step(train_fn, host_sh, plan,
                                          donate=cfg.plan.donate if donate is None else donate)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, plan, dev_sh.params),
                                        host_sh, plan)
-    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, train_step, eval_step)
+    grads_fn = step_lib.make_grads_fn(model, plan, cfg.plan.accumulate, wrapper)
+    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, train_step, eval_step,
+                 grads_fn)

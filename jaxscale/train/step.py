@@ -42,24 +42,31 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def make_loss_fn(model: FunctionalModel, block_wrapper: Callable | None = None):
-    """Token-mean loss of one batch: (loss, tokens)."""
-    def loss_fn(params, batch):
+def make_grads_fn(model: FunctionalModel, plan, k: int = 1, block_wrapper: Callable | None = None):
+    """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches.
+
+    Differentiates sum(token losses) x scale / (B x T): gradients the size of a mean loss's (what a
+    loss scale is tuned for), rescaled exactly to the token mean afterwards."""
+    def sum_loss(params, batch, factor):
         logits = model.apply(params, batch["inputs"], block_wrapper=block_wrapper)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
-        return total / jnp.maximum(n, 1.0), n
-    return loss_fn
+        return total * factor, (total, n)
+
+    def grads_fn(params, batch, scale=1.0):
+        slots = batch["targets"].size
+        grads, (total, ntok) = accumulate.grads(
+            lambda p, b: sum_loss(p, b, scale / slots), params, batch, k)
+        denom = jnp.where(ntok > 0, ntok, 1.0) / slots * scale
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
+        return grads, total / jnp.where(ntok > 0, ntok, 1.0), ntok
+    return grads_fn
 
 
 def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, lay: StateLayout,
                     device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
     mesh = plan.mesh
-
-    def sum_loss(params, batch, scale):
-        logits = model.apply(params, batch["inputs"], block_wrapper=block_wrapper)
-        total, n = token_loss(logits, batch["targets"], batch["mask"])
-        return total * scale, (total, n)
+    grads_fn = make_grads_fn(model, plan, k, block_wrapper)
 
     def to(tree, shardings):
         return None if tree is None else jax.device_put(tree, shardings)
@@ -70,13 +77,9 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
             opt_state = to(state.opt_state, device_sh.opt_state)
             master = to(state.master, device_sh.master)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
-            grads, (total, ntok) = accumulate.grads(
-                lambda p, b: sum_loss(p, b, scale), params, batch, k)
-            denom = jnp.maximum(ntok, 1.0) * scale
-            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / denom), grads)
+            grads, loss, ntok = grads_fn(params, batch, scale)
             grad_specs = lay.shard_specs if lay.zero >= 2 else lay.param_specs
             grads = jax.lax.with_sharding_constraint(grads, _specs_to_sharding(mesh, grad_specs))
-            loss = total / jnp.maximum(ntok, 1.0)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             target = master if master is not None else params

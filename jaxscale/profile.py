@@ -1,0 +1,129 @@
+"""`jaxscale profile`: a trace, a device-memory profile and a live-array leak check.
+
+What it writes into the run directory:
+- `trace/`: a `jax.profiler` trace of the steady-state steps (TensorBoard's profile plugin reads
+  it; `perfetto_trace.json.gz` inside opens at ui.perfetto.dev);
+- `memory.prof`: `jax.profiler.save_device_memory_profile` (pprof format: `pprof -http :8080`);
+- `live_arrays.jsonl` and `memory_timeline.png`: after every step, the number and bytes of live
+  arrays (`jax.live_arrays()`, summed over all shards), plus `device.memory_stats()` where the
+  backend has them (GPU: bytes_in_use, peak_bytes_in_use).
+
+Leak check: after the warm-up steps, a train loop holds a constant set of arrays (the donated
+state is replaced, metrics are dropped). Live bytes that grow at every steady-state step are
+flagged, with the shapes of the arrays that appeared.
+
+XLA client allocator settings (environment, before the process starts):
+- `XLA_PYTHON_CLIENT_PREALLOCATE=false`: allocate on demand instead of 75% of GPU memory at start
+  (use when several processes share a GPU, or to see real usage in nvidia-smi);
+- `XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`: the preallocated fraction (raise it for the largest
+  models; lower it to leave room for another framework, e.g. a PyTorch baseline);
+- `XLA_PYTHON_CLIENT_ALLOCATOR=platform`: allocate and free exactly what is needed, no pool (slow;
+  only for debugging fragmentation or leaks, since it makes memory usage exact).
+"""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+
+def live_arrays() -> tuple[int, int, dict]:
+    """(count, bytes over all shards, {id: (shape, dtype)}) of the arrays alive now."""
+    arrs = jax.live_arrays()
+    total = 0
+    ids = {}
+    for a in arrs:
+        try:
+            total += sum(s.data.nbytes for s in a.addressable_shards)
+        except Exception:   # deleted (donated) between listing and reading
+            continue
+        ids[id(a)] = (tuple(a.shape), str(a.dtype))
+    return len(arrs), total, ids
+
+
+def find_leak(rows: list[dict], warmup: int) -> dict | None:
+    """Live bytes growing at every step after `warmup`: a leak."""
+    steady = [r for r in rows if r["step"] > warmup]
+    if len(steady) < 3:
+        return None
+    growth = [b["live_bytes"] - a["live_bytes"] for a, b in zip(steady, steady[1:])]
+    if all(g > 0 for g in growth):
+        return {"bytes_per_step": sum(growth) / len(growth),
+                "from_step": steady[0]["step"], "to_step": steady[-1]["step"]}
+    return None
+
+
+def profile(cfg, steps: int = 6, out: Path | None = None, warmup: int = 2,
+            hook: Callable | None = None) -> dict:
+    """Run `steps` train steps under the profiler; `hook(step, state, metrics)` runs after each."""
+    from jaxscale.data import Batches, load_corpus
+    from jaxscale.train.setup import build
+
+    out = Path(out or f"runs/{cfg.name}_profile")
+    out.mkdir(parents=True, exist_ok=True)
+    setup = build(cfg)
+    corpus = load_corpus(cfg.data)
+    batches = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed)
+    sh = setup.batch_shardings()
+    state = setup.init_state()
+    rows, seen = [], None
+    tracing = False
+    for step in range(1, steps + 1):
+        if step == warmup + 1:
+            jax.profiler.start_trace(str(out / "trace"), create_perfetto_trace=True)
+            tracing = True
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            state, metrics = setup.train_step(state, batches.device_batch(step - 1, sh))
+            jax.block_until_ready(state)
+        if hook is not None:
+            hook(step, state, metrics)
+        del metrics
+        gc.collect()
+        n, b, ids = live_arrays()
+        new = [ids[i] for i in ids.keys() - (seen or {}).keys()] if seen is not None else []
+        seen = ids
+        row = {"step": step, "live_arrays": n, "live_bytes": b,
+               "new_arrays": [f"{s}:{d}" for s, d in new[:8]]}
+        stats = jax.devices()[0].memory_stats()
+        if stats:
+            row.update({k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats})
+        rows.append(row)
+    if tracing:
+        jax.profiler.stop_trace()
+    jax.profiler.save_device_memory_profile(str(out / "memory.prof"))
+    with open(out / "live_arrays.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    leak = find_leak(rows, warmup)
+    _plot(rows, out / "memory_timeline.png", leak)
+    return {"rows": rows, "leak": leak, "out": str(out)}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'step':>5}{'live arrays':>13}{'live MiB':>12}  new arrays"]
+    for r in result["rows"]:
+        lines.append(f"{r['step']:>5}{r['live_arrays']:>13}{r['live_bytes'] / 2**20:>12.3f}  "
+                     f"{', '.join(r['new_arrays'][:3])}")
+    leak = result["leak"]
+    lines.append("LEAK: live bytes grow by %.0f bytes/step from step %d to %d" % (
+        leak["bytes_per_step"], leak["from_step"], leak["to_step"]) if leak else
+        "no leak: live bytes are flat in the steady state")
+    return "\n".join(lines)
+
+
+def _plot(rows, path: Path, leak) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["live_bytes"] / 2**20 for r in rows], "o-")
+    ax.set_xlabel("step")
+    ax.set_ylabel("live array MiB (all devices)")
+    ax.set_title("memory timeline" + (" - LEAK" if leak else ""))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
