@@ -1,18 +1,19 @@
 """Attention dispatch: the model's attention implementation is a config choice.
 
-| name        | where            | memory (activations)           | notes                                  |
-|-------------|------------------|--------------------------------|----------------------------------------|
-| `xla`       | any backend      | O(B·H·T·S): scores materialised | the reference; fastest for short T on CPU |
-| `blockwise` | any backend      | O(B·H·T·D): tiled jnp loops     | portable FlashAttention-2 in plain jnp |
-| `pallas`    | NVIDIA GPU (Triton); elsewhere interpret mode (slow, for tests) | O(B·H·T·D) | `kernels/flash_attention.py` |
-| `cudnn`     | NVIDIA GPU only  | O(B·H·T·D)                     | `jax.nn.dot_product_attention(implementation="cudnn")`; bf16/fp16 |
-| `auto`      | picks one        |                                |                                        |
+- `xla`: any backend; scores materialised, O(B·H·T·S) memory. The reference.
+- `blockwise`: any backend; tiled jnp loops with online softmax, O(B·H·T·D) memory
+  (`kernels/blockwise.py`).
+- `pallas`: FlashAttention kernels (`kernels/flash_attention.py`), Triton on NVIDIA GPUs; interpret
+  mode elsewhere (slow, for tests). O(B·H·T·D) memory.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPU only, bf16/fp16.
+- `auto`: picks one of the above, as follows.
 
 `auto`: on a CUDA GPU, `cudnn` when it accepts the call (bf16/fp16, head_dim a multiple of 8 and
 <= 128, or <= 256 on Hopper and later, no packed segment ids, no non-causal window), else `pallas`.
 On CPU (or any other backend) `xla` while the score matrix is small (T·S <= AUTO_XLA_MAX_SCORES =
-512², where it is about as fast or faster) and `blockwise` beyond: measured on CPU (forward+backward,
-H=8, D=64), blockwise takes 0.3-0.4x xla's time from T=1k on (it skips masked tiles and never writes
+512², where neither wins clearly: blockwise takes 0.4-1.5x xla's time, slowest non-causal) and
+`blockwise` beyond: measured on CPU (forward+backward, H=8, D=64), blockwise takes 0.3-0.5x xla's
+time from T=1k on (it skips masked tiles and never writes
 the [T, S] probabilities) and its memory is linear; see experiments/24_flash_attention.py (speed
 table) and docs/attention.md.
 All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA

@@ -61,8 +61,8 @@ class BlockSizes:
                 size = math.gcd(size, block_mask.block_q if is_q else block_mask.block_k)
                 if size < 16 or size & (size - 1):
                     raise ValueError(f"block-sparse mask blocks ({block_mask.block_q}, "
-                                     f"{block_mask.block_k}) must be multiples of 16 powers of two "
-                                     f"for the Pallas kernel")
+                                     f"{block_mask.block_k}) must be multiples of 16 for the "
+                                     f"Pallas kernel (its tiles are powers of two >= 16)")
             out[name] = size
         return replace(self, **out)
 
@@ -346,10 +346,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segmen
     B, T, H, D = q.shape
     S = k.shape[1]
     blocks = block_sizes.fit(T, S, block_mask)
-    Tp = -(-T // max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)) * max(
-        blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
-    Sp = -(-S // max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)) * max(
-        blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
+    # powers of two: padding to the largest block of each axis suits all three kernels
+    q_unit = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
+    k_unit = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
+    Tp, Sp = -(-T // q_unit) * q_unit, -(-S // k_unit) * k_unit
     Dp = max(16, pl.next_power_of_2(D))
     cfg = _Cfg(T, S, bool(causal), window, int(q_offset),
                float(D ** -0.5 if scale is None else scale), block_mask, blocks,
