@@ -46,6 +46,11 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from jaxscale.planner.cli import run
+    return run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxscale", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
     common(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_inspect)
+    from jaxscale.planner.cli import add_arguments as plan_arguments
+    pl = sub.add_parser("plan", help="predict per-device memory, communication and step time "
+                        "of a plan without compiling; --search ranks every plan that fits")
+    plan_arguments(pl)
+    pl.set_defaults(func=cmd_plan)
     return p
 
 

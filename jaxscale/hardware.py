@@ -4,6 +4,16 @@ Figures are vendor dense peaks (no sparsity). `intra_bw` is per-device bus bandw
 node (NVLink), `inter_bw` per device across nodes (InfiniBand/RoCE NIC), both in bytes/s one way.
 The CPU profile describes the host running simulated devices: they share its cores, so its peak is
 divided among them.
+
+Fields the planner adds (defaults keep the older profiles' meaning):
+- `busbw_intra` / `busbw_inter`: the bus bandwidth a bandwidth-optimal collective reaches (nccl-tests
+  "busbw"), per device; 0 means the link bandwidth (`intra_bw` / `inter_bw`). 8xH100 ring
+  all-reduce ~370 GB/s, 8xA100 ~200 GB/s (nccl-tests PERFORMANCE.md figures in REFERENCE.md).
+- `matmul_efficiency`: fraction of the dense peak a large GEMM sustains (cuBLAS on A100 reaches
+  ~250 of 312 TFLOP/s, on H100 SXM ~740 of 989); the CPU peak is already an upper bound.
+- `host_bytes`: host DRAM per device for offloaded state (a DGX node: 2 TB for 8 GPUs); on `cpu`,
+  the machine's physical memory, which the simulated devices share.
+- `devices_per_node`: devices behind one fast interconnect (NVLink domain).
 """
 from __future__ import annotations
 
@@ -23,18 +33,43 @@ class Hardware:
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
     host_bw: float = 25e9   # device <-> host (PCIe) bytes/s, for offload
+    busbw_intra: float = 0.0
+    busbw_inter: float = 0.0
+    matmul_efficiency: float = 1.0
+    host_bytes: float = 256e9
+    devices_per_node: int = 8
+
+    def collective_bw(self, cross_node: bool) -> float:
+        """Bus bandwidth per device for a collective inside a node or across nodes."""
+        if cross_node:
+            return self.busbw_inter or self.inter_bw
+        return self.busbw_intra or self.intra_bw
+
+    def latency(self, cross_node: bool) -> float:
+        return self.inter_latency if cross_node else self.intra_latency
+
+
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
 
 
 def _cpu() -> Hardware:
     # 2.5 GHz x 32 fp32 FLOP/cycle (two AVX2 FMA units) per core: an upper bound, not a measurement.
     peak = (os.cpu_count() or 1) * 2.5e9 * 32
-    return Hardware("cpu", peak, peak, 24e9, 20e9, 10e9, 10e9, 1e-6, 1e-6, 20e9)
+    return Hardware("cpu", peak, peak, 24e9, 20e9, 10e9, 10e9, 1e-6, 1e-6, 20e9,
+                    host_bytes=_host_memory(), devices_per_node=1 << 16)
 
 
 HARDWARE: dict[str, Hardware] = {
-    "a100": Hardware("a100", 312e12, 19.5e12, 80e9, 2.04e12, 300e9, 25e9),
-    "h100": Hardware("h100", 989e12, 67e12, 80e9, 3.35e12, 450e9, 50e9),
-    "h200": Hardware("h200", 989e12, 67e12, 141e9, 4.8e12, 450e9, 50e9),
+    "a100": Hardware("a100", 312e12, 19.5e12, 80e9, 2.04e12, 300e9, 25e9,
+                     busbw_intra=200e9, matmul_efficiency=0.8),
+    "h100": Hardware("h100", 989e12, 67e12, 80e9, 3.35e12, 450e9, 50e9,
+                     busbw_intra=370e9, matmul_efficiency=0.75),
+    "h200": Hardware("h200", 989e12, 67e12, 141e9, 4.8e12, 450e9, 50e9,
+                     busbw_intra=370e9, matmul_efficiency=0.75),
     "cpu": _cpu(),
 }
 

@@ -1,0 +1,162 @@
+"""Activation memory of jaxscale's LLaMA block: the tensors the backward pass keeps, per layer.
+
+Derivation. The residuals of one block's VJP are what `jax.ad_checkpoint.print_saved_residuals`
+lists for `Block.__call__` (models/llama.py); XLA then merges duplicates. What the compiled
+train step keeps (read from the stacked outputs of the forward `while` loop of
+`jaxscale inspect`'s HLO, identical on all of dp8, fsdp8, tp8 and dp2xfsdp2xtp2) is, per token
+and layer, with d = dim, H/K = query/kv heads, hd = head_dim, f = ffn_dim, s = sequence length,
+beta = compute dtype bytes:
+
+| tensor                         | elements      | bytes  | split by        |
+|--------------------------------|---------------|--------|-----------------|
+| layer input x                  | d             | beta   | residual stream |
+| attn_norm: x * rsqrt (fp32)    | d             | 4      | residual stream |
+| attn_norm output h             | d             | beta   | residual stream |
+| q after RoPE                   | H hd          | beta   | tp              |
+| k after RoPE, v                | 2 K hd        | beta   | tp              |
+| attention scores, 4 buffers    | 4 H s         | 4      | tp (xla only)   |
+| attn_out (P V)                 | H hd          | beta   | tp              |
+| x after attention residual     | d             | beta   | residual stream |
+| mlp_norm: x * rsqrt (fp32)     | d             | 4      | residual stream |
+| mlp_norm output                | d             | beta   | residual stream |
+| gate, up                       | 2 f           | beta   | tp              |
+| silu chain (sigmoid, silu, ')  | 3 f           | beta   | tp              |
+| hidden = silu(gate) * up       | f             | beta   | tp              |
+| RMSNorm statistics             | 4             | 4      | residual stream |
+| softmax statistics             | 4 H (fused: H)| 4      | tp              |
+
+The four score-sized fp32 buffers are the masked scores, their exponentials, the masked and the
+normalised probabilities of `kernels/reference.py` (JAX saves seven, XLA keeps four). A fused
+attention (`blockwise`, `pallas`, `cudnn`) keeps none of them, only O(s) statistics. For
+d = H hd, fp32 and K = H/2 this is 4 sbh (6 + 2 + 1 + 6 f/d) + 16 a s^2 b bytes per layer; for
+the `tiny` model (f = 3d) 4 sbh x 27 + 16 a s^2 b. Compare Korthikanti et al. (arXiv
+2205.05198) for a GPT block in 16 bits: sbh (34 + 5 a s / h) (see `gpt.py`).
+
+Splits. "residual stream" tensors are replicated over `tp` unless Megatron sequence parallelism
+splits them over `tp` too; "tp" tensors are split t ways; context parallelism over `sp` splits
+every token-indexed tensor sp ways (the scores keep their full key length s).
+
+Remat policies (`plan.remat`, over the model's `checkpoint_name` tags `models.llama.TAGS`):
+`none` keeps the table; `full` keeps only the layer input; `save_dots` keeps the layer input and
+the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down); `save_attention_out` keeps
+the layer input and `attn_out`; `offload` moves the `save_dots` set to host memory; a custom
+`"name:save|remat|offload,..."` keeps / offloads the named tags. A rematerialised block holds one
+layer's full activations again while its backward runs (the recompute working set).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: tag -> (elements per token as a function of the model, split region)
+_TAG_SIZES = {
+    "attn_norm": (lambda m: m.dim, "res"), "q_proj": (lambda m: m.n_heads * m.hd, "tp"),
+    "k_proj": (lambda m: m.n_kv_heads * m.hd, "tp"), "v_proj": (lambda m: m.n_kv_heads * m.hd, "tp"),
+    "attn_out": (lambda m: m.n_heads * m.hd, "tp"), "o_proj": (lambda m: m.dim, "res"),
+    "mlp_norm": (lambda m: m.dim, "res"), "mlp_gate": (lambda m: m.ffn_dim, "tp"),
+    "mlp_up": (lambda m: m.ffn_dim, "tp"), "mlp_hidden": (lambda m: m.ffn_dim, "tp"),
+    "mlp_down": (lambda m: m.dim, "res"),
+}
+SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    per_token: float          # elements per token (for scores: H * s)
+    itemsize: int
+    region: str               # res | tp | scores
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the activations of one device are divided: t = tp, sp = context parallel degree,
+    megatron_sp = residual stream split over tp too."""
+    tp: int = 1
+    sp: int = 1
+    megatron_sp: bool = False
+
+    def factor(self, region: str) -> float:
+        f = 1.0 / self.sp
+        if region in ("tp", "scores") or (region == "res" and self.megatron_sp):
+            f /= self.tp
+        return f
+
+
+def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "xla",
+                  moe_top_k: int = 0) -> list[Tensor]:
+    """The per-layer saved tensors (no remat) of the table in the module docstring."""
+    m, b = model, compute_itemsize
+    ffn = m.ffn_dim * (moe_top_k or 1)
+    out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm_f32", m.dim, 4, "res"),
+           Tensor("attn_norm", m.dim, b, "res"), Tensor("q", m.n_heads * m.hd, b, "tp"),
+           Tensor("k", m.n_kv_heads * m.hd, b, "tp"), Tensor("v", m.n_kv_heads * m.hd, b, "tp")]
+    if attention == "xla":
+        out.append(Tensor("scores x4", 4 * m.n_heads * seq_len, 4, "scores"))
+    out += [Tensor("attn_out", m.n_heads * m.hd, b, "tp"), Tensor("x_mid", m.dim, b, "res"),
+            Tensor("mlp_norm_f32", m.dim, 4, "res"), Tensor("mlp_norm", m.dim, b, "res"),
+            Tensor("mlp_gate", ffn, b, "tp"), Tensor("mlp_up", ffn, b, "tp"),
+            Tensor("silu chain x3", 3 * ffn, b, "tp"), Tensor("mlp_hidden", ffn, b, "tp"),
+            Tensor("norm statistics", 4, 4, "res"),
+            Tensor("softmax statistics", (4 if attention == "xla" else 1) * m.n_heads, 4, "tp")]
+    return out
+
+
+def parse_policy(remat: str) -> dict[str, str]:
+    """tag -> save | remat | offload for every tag; the layer input is always saved."""
+    tags = list(_TAG_SIZES)
+    if remat in ("none", ""):
+        return {t: "save" for t in tags}
+    if remat == "full":
+        return {t: "remat" for t in tags}
+    if remat == "save_dots":
+        return {t: "save" if t in SAVE_DOTS else "remat" for t in tags}
+    if remat == "save_attention_out":
+        return {t: "save" if t == "attn_out" else "remat" for t in tags}
+    if remat == "offload":
+        return {t: "offload" if t in SAVE_DOTS else "remat" for t in tags}
+    out = {t: "remat" for t in tags}
+    for item in remat.split(","):
+        name, _, how = item.strip().partition(":")
+        if name not in out or how not in ("save", "remat", "offload"):
+            raise ValueError(f"plan.remat={remat!r}: each item must be TAG:save|remat|offload with "
+                             f"TAG one of {', '.join(tags)}; got {item!r}")
+        out[name] = how
+    return out
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    saved: float              # bytes per layer kept on device for the backward
+    host: float               # bytes per layer offloaded to host memory
+    working: float            # bytes of one layer's activations rebuilt by recompute (0: none)
+    recompute_fraction: float  # fraction of the layer's forward matmul FLOPs recomputed
+    tensors: dict             # name -> bytes per layer on device (for reports)
+
+
+def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int, split: Split,
+                      remat: str = "none", attention: str = "xla",
+                      moe_top_k: int = 0) -> LayerActivations:
+    """Bytes per layer per device for `tokens` local tokens (micro-batch x seq_len)."""
+    full = {t.name: tokens * t.per_token * t.itemsize * split.factor(t.region)
+            for t in block_tensors(model, seq_len, compute_itemsize, attention, moe_top_k)}
+    total = sum(full.values())
+    if remat in ("none", ""):
+        return LayerActivations(total, 0.0, 0.0, 0.0, full)
+    policy = parse_policy(remat)
+    x = full["x"]
+    saved, host = {"x": x}, 0.0
+    for tag, how in policy.items():
+        size_fn, region = _TAG_SIZES[tag]
+        nbytes = tokens * size_fn(model) * compute_itemsize * split.factor(region)
+        if how == "save":
+            saved[tag] = nbytes
+        elif how == "offload":
+            host += nbytes
+    kept = sum(saved.values())
+    # Recompute cost: full remat replays every matmul of the forward; keeping the matmul outputs
+    # (save_dots / offload) replays none; other policies replay the matmuls whose output they drop.
+    dots = {"q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down"}
+    dropped = [t for t in dots if policy[t] == "remat"]
+    frac = len(dropped) / len(dots)
+    return LayerActivations(kept, host, total - x, frac, saved)

@@ -1,0 +1,131 @@
+"""`jaxscale plan`: predict memory, communication and step time of a plan; `--search` ranks plans.
+
+    jaxscale plan --model llama3-70b --mesh h100x8x4 --seq 4096 --batch 32 --set plan.zero=1
+    jaxscale plan --model llama3-8b --mesh h100x8 --seq 8192 --batch 64 --search
+    jaxscale plan --experiment llama_tiny --json
+
+Starts from an experiment's config (`--experiment`) or from the defaults with `--model` and
+`--mesh` presets, applies `--set` overrides, and never imports JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="model preset (models/configs.py), e.g. llama3-70b")
+    p.add_argument("--mesh", help="mesh preset (meshes/), e.g. h100x8x4")
+    p.add_argument("--experiment", help="start from an experiment's config instead of defaults")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set plan.zero=3 --set mesh.tp=8")
+    p.add_argument("--batch", type=int, help="global batch in sequences (default: one sequence "
+                   "per data-parallel rank)")
+    p.add_argument("--seq", type=int, help="sequence length (default: min(4096, max_seq_len))")
+    p.add_argument("--devices", type=int, help="device count, to resolve a -1 mesh degree")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, "
+                   "interleaved, zb-h1 (default 1f1b)")
+    p.add_argument("--virtual", type=int, default=1, help="virtual stages per device (interleaved)")
+    p.add_argument("--sp-mode", default="ring", help="context parallelism over sp: ring, ulysses")
+    p.add_argument("--megatron-sp", action="store_true",
+                   help="Megatron sequence parallelism: split the residual stream over tp")
+    p.add_argument("--moe", metavar="E,K[,C]", help="mixture of experts: E experts, top-K, "
+                   "capacity factor C (default 1.25)")
+    p.add_argument("--search", action="store_true",
+                   help="enumerate every valid plan on the mesh that fits, ranked by step time")
+    p.add_argument("--top", type=int, default=10, help="plans shown by --search (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", help="directory for memory.png and plan.json (default runs/plan/...)")
+
+
+def build_config(args):
+    import models
+    import meshes
+    from jaxscale import config as config_lib
+    if args.experiment:
+        cfg = config_lib.load_experiment(args.experiment)
+    else:
+        cfg = config_lib.Config(name="plan")
+    if args.model:
+        cfg = dataclasses.replace(cfg, model=models.get(args.model))
+    if args.mesh:
+        cfg = dataclasses.replace(cfg, mesh=meshes.get(args.mesh))
+    cfg = config_lib.apply_overrides(cfg, args.set)
+    data = cfg.data
+    explicit = {s.split("=", 1)[0].strip() for s in args.set}
+    if args.seq:
+        data = dataclasses.replace(data, seq_len=args.seq)
+    elif not args.experiment and "data.seq_len" not in explicit:
+        data = dataclasses.replace(data, seq_len=min(4096, cfg.model.max_seq_len))
+    if args.batch:
+        data = dataclasses.replace(data, batch_size=args.batch)
+    elif not args.experiment and "data.batch_size" not in explicit:
+        m = cfg.mesh
+        degs = [max(1, getattr(m, a)) for a in ("dp", "fsdp", "ep")]
+        data = dataclasses.replace(data, batch_size=degs[0] * degs[1] * degs[2])
+    return dataclasses.replace(cfg, data=data)
+
+
+def options(args) -> dict:
+    opts = {"schedule": args.schedule, "virtual": args.virtual, "sp_mode": args.sp_mode,
+            "megatron_sp": args.megatron_sp}
+    if args.moe:
+        from jaxscale.planner.params import MoE
+        try:
+            parts = [float(x) for x in args.moe.split(",")]
+            opts["moe"] = MoE(int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else 1.25)
+        except (ValueError, IndexError):
+            raise ValueError(f"--moe {args.moe!r}: give E,K or E,K,C (e.g. 8,2)") from None
+    return opts
+
+
+def run(args) -> int:
+    from jaxscale import planner
+    from jaxscale.planner import report, search
+    cfg = build_config(args)
+    spec = planner.Spec.from_config(cfg, args.devices, **options(args))
+    out = Path(args.out or Path("runs") / "plan" / _name(args, cfg))
+    if args.search:
+        res = search.search(cfg, args.devices, base=spec)
+        shown = res.accepted[:args.top]
+        if shown:
+            report.plot_memory(shown, out / "memory.png",
+                               f"{_name(args, cfg)}: fastest plans that fit")
+        payload = {"accepted": [p.as_dict() for p in shown], "n_accepted": len(res.accepted),
+                   "rejected": [{"plan": s.label(), "reason": why} for s, why in res.rejected],
+                   "rejected_by_reason": res.reasons()}
+        _write(out, payload)
+        if args.json:
+            print(json.dumps(payload, indent=2))
+        else:
+            print(report.format_search(res, args.top))
+            print(f"\nwrote {out / 'memory.png'} and {out / 'plan.json'}")
+        return 0 if res.accepted else 1
+    errs = spec.problems()
+    if errs:
+        raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
+    pred = planner.predict_spec(spec)
+    report.plot_memory([pred], out / "memory.png", f"{_name(args, cfg)}: {spec.label()}")
+    payload = pred.as_dict()
+    if not pred.fits:
+        payload["does_not_fit"] = search.does_not_fit_message(pred)
+    _write(out, payload)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(report.format_prediction(pred))
+        if not pred.fits:
+            print("\n" + payload["does_not_fit"])
+        print(f"\nwrote {out / 'memory.png'} and {out / 'plan.json'}")
+    return 0
+
+
+def _name(args, cfg) -> str:
+    model = args.model or (args.experiment and Path(args.experiment).stem) or "model"
+    return f"{model}_{args.mesh or 'mesh'}".replace("/", "_")
+
+
+def _write(out: Path, payload: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -1,0 +1,164 @@
+"""FLOPs per step, predicted step time and MFU on a hardware profile.
+
+FLOPs (matmuls; 2 per multiply-add). Per token and layer, forward: 2 h (H + 2K) hd for q, k, v,
+2 H hd h for the output projection, 6 h f for SwiGLU (MoE: top_k experts plus a 2 h E router),
+and the attention core QK^T and PV, 4 s H hd: the `xla` attention computes the masked half too,
+a fused kernel skips it (causal: half) and its backward recomputes QK^T (2.5x its forward,
+FlashAttention-2). Plus the LM head 2 h V. Backward = 2 x forward. A remat
+policy replays the forward matmuls whose outputs it did not keep (`full`: the whole forward,
+4/3 of the no-remat total; any policy that drops the scores recomputes QK^T). Per device: the
+local tokens (batch / (dp fsdp ep), sequence / sp) times the per-token FLOPs / tp, the layers
+/ pp. Model FLOPs for MFU are the literature's 6 Psi + 12 L h s per token, attention halved
+when causal (`ModelConfig.flops_per_token`), MoE with active parameters.
+
+Step time (stated assumptions):
+- compute = matmul FLOPs / (peak x matmul_efficiency) + HBM traffic / HBM bandwidth (matmuls and
+  memory-bound elementwise work are different ops; their times add). Traffic: activations
+  written in the forward and read in the backward with their gradients (3x), weights read
+  three times (forward, data and weight gradients), the optimizer reads and writes the state;
+- collectives: alpha-beta per instance, t = steps x latency + wire bytes / bus bandwidth, ring
+  step counts (all-reduce 2(n - 1), all-gather / reduce-scatter / all-to-all n - 1), the
+  inter-node bandwidth as soon as a group leaves a node (nccl-tests busbw factors);
+- overlap: data-parallel traffic (FSDP gathers, gradient reductions, ZeRO gathers) and
+  pipeline sends hide under compute except the first gather / last reduction of a step
+  (1 / (L + 1) of it) and whatever exceeds the compute time; tensor, context and expert
+  parallel collectives sit on the critical path (the next matmul needs them);
+- pipeline bubble on top of the ideal time: (p - 1) / m (GPipe, 1F1B), (p - 1) / (v m)
+  (interleaved), a third of 1F1B's for ZB-H1 (arXiv 2401.10241 with T_F = T_B = T_W);
+- host offload transfers (PCIe) are not overlapped.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from jaxscale.planner import params as params_lib
+from jaxscale.planner.activations import parse_policy
+from jaxscale.planner.comm import Comm
+
+STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
+         "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
+         "collective-permute": lambda n: 1}
+
+
+def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, moe=None) -> dict:
+    """Forward matmul FLOPs per token of one block, by part."""
+    d, hd, H, K, f = model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim
+    attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)
+    mlp = 6 * d * f * (moe.top_k if moe else 1) + (2 * d * moe.n_experts if moe else 0)
+    return {"q_proj": 2 * d * H * hd, "k_proj": 2 * d * K * hd, "v_proj": 2 * d * K * hd,
+            "o_proj": 2 * H * hd * d, "attention": attn_core,
+            "mlp_gate": mlp / 3, "mlp_up": mlp / 3, "mlp_down": mlp / 3}
+
+
+def recompute_per_token(parts: dict, remat: str) -> float:
+    """Forward FLOPs a remat policy replays in the backward, per token and layer."""
+    if remat in ("none", ""):
+        return 0.0
+    if remat == "full":
+        return sum(parts.values())
+    policy = parse_policy(remat)
+    replay = sum(v for k, v in parts.items() if k != "attention" and policy.get(k) == "remat")
+    # the probabilities are never kept under a policy: QK^T is recomputed, PV too unless the
+    # attention output is kept
+    core = parts["attention"]
+    return replay + (core / 2 if policy["attn_out"] in ("save", "offload") else core)
+
+
+@dataclass
+class Flops:
+    per_device: float            # matmul FLOPs per device per step (forward + backward + remat)
+    forward: float
+    recompute: float
+    model_per_device: float      # 6 Psi + attention (causal) per token, for MFU
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def flops(spec) -> Flops:
+    m = spec.model
+    causal_kernel = spec.attention != "xla"
+    parts = layer_flops_per_token(m, spec.seq, causal_kernel, spec.moe)
+    per_layer = sum(parts.values())
+    head = 2 * m.dim * m.vocab_size
+    tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp"))
+    t, p = spec.deg("tp"), spec.deg("pp")
+    fwd = tokens * (per_layer * spec.stage_layers + head / p) / t
+    rec = tokens * recompute_per_token(parts, spec.remat) * spec.stage_layers / t
+    if spec.moe is None:
+        model_tok = m.flops_per_token(spec.seq, causal=True)
+    else:
+        active = params_lib.active_count(m, spec.moe) - m.vocab_size * m.dim * (
+            1 if not m.tie_embeddings else 0) - (2 * m.n_layers + 1) * m.dim
+        model_tok = 6 * active + 6 * m.n_layers * m.n_heads * m.hd * spec.seq
+    if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
+        rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t
+    return Flops(3 * fwd + rec, fwd, rec, model_tok * spec.batch * spec.seq / spec.n_devices)
+
+
+@dataclass
+class StepTime:
+    compute: float
+    matmul: float
+    memory_bound: float
+    critical_comm: float         # TP / SP / EP collectives
+    overlapped_comm: float       # DP / FSDP / pipeline traffic, before hiding
+    exposed_comm: float
+    bubble: float
+    offload: float
+    total: float
+    mfu: float
+    tokens_per_s: float
+    per_collective: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def collective_time(spec, c: Comm) -> float:
+    hw = spec.hardware
+    cross = spec.cross_node(c.axes)
+    bw = hw.collective_bw(cross)
+    return c.count * STEPS[c.kind](c.group) * hw.latency(cross) + c.wire_bytes / bw
+
+
+def bubble_fraction(spec) -> float:
+    """Pipeline idle time relative to the ideal (bubble-free) compute time."""
+    p, m = spec.deg("pp"), max(1, spec.accumulate)
+    if p == 1:
+        return 0.0
+    if spec.schedule == "interleaved":
+        return (p - 1) / (spec.virtual * m)
+    if spec.schedule == "zb-h1":
+        return (p - 1) / (3 * m)
+    return (p - 1) / m
+
+
+def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
+    hw = spec.hardware
+    peak = hw.peak_fp32 if spec.compute_itemsize == 4 else hw.peak_bf16
+    if spec.device_kind == "cpu":
+        peak /= spec.n_devices            # simulated devices share the host's cores
+    matmul = fl.per_device / (peak * hw.matmul_efficiency)
+    k = max(1, spec.accumulate)
+    state = memory.params + memory.master + memory.optimizer + memory.grads
+    full_layer_acts = sum(memory.layer.values()) if memory.layer else 0.0
+    traffic = (3 * full_layer_acts * spec.stage_layers * k
+               + 3 * memory.params * k + 2 * state)
+    memory_bound = traffic / hw.hbm_bw
+    compute = matmul + memory_bound
+    times = [(c, collective_time(spec, c)) for c in comms if not c.optional]
+    critical = sum(t for c, t in times if not c.overlap)
+    overlapped = sum(t for c, t in times if c.overlap)
+    layers = spec.stage_layers
+    exposed = max(0.0, overlapped - compute) + min(overlapped, compute) / (layers + 1)
+    bubble = bubble_fraction(spec) * (compute + critical)
+    host = 0.0
+    for what, nbytes in memory.host.items():
+        host += nbytes * (2 * k if what in ("params", "activations") else 2)
+    offload = host / hw.host_bw
+    total = compute + critical + exposed + bubble + offload
+    mfu = fl.model_per_device / (total * peak) if total else 0.0
+    return StepTime(compute, matmul, memory_bound, critical, overlapped, exposed, bubble, offload,
+                    total, mfu, spec.batch * spec.seq / total if total else 0.0,
+                    [{"kind": c.kind, "axes": list(c.axes), "seconds": t} for c, t in times])
