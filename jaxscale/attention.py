@@ -13,17 +13,26 @@
 On CPU (or any other backend) `xla` while the score matrix is small (T·S <= AUTO_XLA_MAX_SCORES =
 512², where neither wins clearly: blockwise takes 0.4-1.5x xla's time, slowest non-causal) and
 `blockwise` beyond: measured on CPU (forward+backward, H=8, D=64), blockwise takes 0.3-0.5x xla's
-time from T=1k on (it skips masked tiles and never writes
-the [T, S] probabilities) and its memory is linear; see experiments/24_flash_attention.py (speed
-table) and docs/attention.md.
+time from T=1k on (it skips masked tiles and never writes the [T, S] probabilities) and its memory
+is linear; see experiments/24_flash_attention.py (speed table) and docs/attention.md.
+
+Sharding: `xla` and `blockwise` are plain jnp and partition under GSPMD. A Pallas call is opaque to
+GSPMD (it would be replicated), so under `axes.use_rules` `pallas` runs inside `jax.shard_map` over
+the mesh axes of the logical `batch` and `heads`/`kv_heads` axes (each device: its batch rows and
+its query heads with their own kv heads). The sequence stays whole per device (sequence-parallel
+attention is ring/Ulysses' job); if kv heads are not split like the query heads, heads stay whole.
 All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA
 without repeating K/V, rows with no allowed key give zeros.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxscale import axes
 from jaxscale.kernels.reference import reference_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas")
@@ -80,6 +89,30 @@ def _cudnn(q, k, v, *, causal, segment_ids, window):
         local_window_size=None if window is None else (window - 1, 0))
 
 
+def _pallas(q, k, v, *, causal, segment_ids, window):
+    """Pallas FlashAttention, inside shard_map over batch and heads when rules are active."""
+    from jaxscale.kernels.flash_attention import flash_attention
+    kernel = functools.partial(flash_attention, causal=causal, window=window)
+    ctx = axes.active()
+    if ctx is None:
+        return kernel(q, k, v, segment_ids=segment_ids)
+    mesh, rules = ctx
+    q_spec = rules.spec(("batch", None, "heads", None))
+    kv_spec = rules.spec(("batch", None, "kv_heads", None))
+    if q_spec[2] != kv_spec[2]:  # GQA groups would straddle devices: keep heads whole
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+    if all(a is None for a in (*q_spec, *kv_spec)):
+        return kernel(q, k, v, segment_ids=segment_ids)
+    seg_spec = P(q_spec[0], None)
+    if segment_ids is None:
+        body = lambda q, k, v: kernel(q, k, v)  # noqa: E731
+        specs, args = (q_spec, kv_spec, kv_spec), (q, k, v)
+    else:
+        body = lambda q, k, v, s: kernel(q, k, v, segment_ids=s)  # noqa: E731
+        specs, args = (q_spec, kv_spec, kv_spec, seg_spec), (q, k, v, segment_ids)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
 def resolve(implementation: str, q, k, *, causal: bool = True, segment_ids=None,
             window: int | None = None) -> str:
     """The concrete implementation `implementation` means for these inputs on this backend."""
@@ -105,12 +138,10 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | N
         from jaxscale.kernels.blockwise import blockwise_attention
         return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     if impl == "pallas":
-        from jaxscale.kernels.flash_attention import flash_attention
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+        return _pallas(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     if implementation == "auto":
         try:  # 'auto' falls back to pallas when cuDNN refuses at trace time
             return _cudnn(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
         except (NotImplementedError, ValueError, RuntimeError):
-            from jaxscale.kernels.flash_attention import flash_attention
-            return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+            return _pallas(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     return _cudnn(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
