@@ -1,9 +1,10 @@
-"""`jaxscale train | inspect` (more subcommands arrive with their capabilities)."""
+"""`jaxscale train | inspect | launch` (more subcommands arrive with their capabilities)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 
 
@@ -31,12 +32,37 @@ def _load(args):
     return cfg
 
 
+def _resume_command(args) -> str:
+    """The command line that resumes this run (under `jaxscale launch` when launched by it)."""
+    parts = ["train", args.experiment, *[a for s in args.set for a in ("--set", s)]]
+    parts += ["--steps", str(args.steps)] if args.steps else []
+    parts += ["--out", args.out] if args.out else []
+    prefix = os.environ.get("JAXSCALE_LAUNCH_PREFIX", "jaxscale")
+    return f"{prefix} {shlex.join(parts)} --resume"
+
+
 def cmd_train(args) -> int:
-    from jaxscale.train.loop import train
+    from jaxscale.launch import initialize_from_env
+    initialize_from_env()
+    from jaxscale.train.loop import TrainingStopped, train
     cfg = _load(args)
-    summary = train(cfg, out=args.out)
-    print(json.dumps(summary, indent=2))
+    try:
+        summary = train(cfg, out=args.out, resume=args.resume,
+                        resume_command=_resume_command(args))
+    except TrainingStopped as e:
+        print(f"jaxscale train: error: {e}", file=sys.stderr)
+        return 1
+    import jax
+    if jax.process_index() == 0:
+        print(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_launch(args) -> int:
+    from jaxscale.launch import launch
+    command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
+    return launch(command, processes=args.processes, local_devices=args.local_devices,
+                  port=args.port, heartbeat=args.heartbeat_timeout)
 
 
 def cmd_inspect(args) -> int:
@@ -66,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     common(t)
     t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     t.add_argument("--out", help="run directory (default runs/<name>)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in the run directory")
     t.set_defaults(func=cmd_train)
     i = sub.add_parser("inspect", help="compile the train step; report memory, census, FLOPs")
     common(i)
@@ -76,6 +104,18 @@ def parser() -> argparse.ArgumentParser:
                         "of a plan without compiling; --search ranks every plan that fits")
     plan_arguments(pl)
     pl.set_defaults(func=cmd_plan)
+    la = sub.add_parser("launch", help="run a command in several local processes "
+                        "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")
+    la.add_argument("--processes", type=int, default=2, help="number of processes (default 2)")
+    la.add_argument("--local-devices", type=int, default=4,
+                    help="simulated CPU devices per process (default 4)")
+    la.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    la.add_argument("--heartbeat-timeout", type=int, default=30,
+                    help="seconds before the coordination service declares a silent process "
+                         "dead and stops the others (default 30)")
+    la.add_argument("command_argv", nargs=argparse.REMAINDER,
+                    help="-- then the jaxscale command, e.g. -- train llama_tiny --steps 20")
+    la.set_defaults(func=cmd_launch)
     return p
 
 

@@ -1,37 +1,77 @@
-"""The training loop: progress bar, metrics (JSONL + TensorBoard), held-out evaluation, loss plot.
+"""The training loop: progress bar, metrics (JSONL + TensorBoard), held-out evaluation, loss plot,
+checkpoints, exact resume, preemption and the non-finite policy.
 
-Per step it reports loss, gradient norm, learning rate, tokens/s, step time and MFU, where
-MFU = model FLOPs per token (`ModelConfig.flops_per_token`: 6 x matmul parameters + causal
+Per step it reports loss, gradient norm, learning rate, tokens/s, step time, MFU and `skipped`,
+where MFU = model FLOPs per token (`ModelConfig.flops_per_token`: 6 x matmul parameters + causal
 attention) x tokens/s / (peak FLOP/s per device x devices); the peak comes from
 `jaxscale.hardware` for `mesh.device_kind` and the compute dtype, or from `train.peak_flops`.
 Step times exclude the first step (compilation) from tokens/s.
+
+Checkpoints (`jaxscale.checkpoint`): every `ckpt.every` steps, at the end, and on preemption.
+`resume=True` restores the latest finalized checkpoint in the run directory and continues from
+its step; since batch i depends only on (data.seed, i), the resumed run is the uninterrupted run
+(bitwise on the same mesh). metrics.jsonl keeps the rows up to the restored step and the resumed
+rows replace anything written after it; TensorBoard purges events after that step.
+
+Preemption: the first SIGTERM or SIGINT lets the current step finish, then a checkpoint is saved
+and waited for and `train` returns with `stopped="SIGTERM"` (the CLI exits 0 and prints how to
+resume). A second signal exits at once (status 128+signal): a save in flight is left as an
+unfinalized tmp directory that is never restored, so finalized checkpoints are never damaged.
+With several processes, they agree on the stopping step (one tiny all-gather per step) so that
+all of them save the same step.
+
+Non-finite steps: the step already refuses a non-finite update (`skipped=1`). `train.nonfinite=
+skip` counts it and carries on; `stop` ends the run without saving that step, keeping the last
+good checkpoint, and raises `TrainingStopped` naming it.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxscale import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
 
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite policy `stop`); the message says what is kept."""
+
 
 class MetricsWriter:
-    """metrics.jsonl (one object per line) and TensorBoard event files in the run directory."""
+    """metrics.jsonl (one object per line) and TensorBoard event files in the run directory.
 
-    def __init__(self, out: Path):
+    `resume_step=s` keeps the rows with step <= s (rewritten atomically) and appends after them;
+    TensorBoard is told to purge events after step s."""
+
+    def __init__(self, out: Path, resume_step: int | None = None):
         self.out = out
         self._jsonl = None
         self._tb = None
+        self.kept: list[dict] = []
         if jax.process_index() == 0:
-            self._jsonl = open(out / "metrics.jsonl", "w")
+            path = out / "metrics.jsonl"
+            if resume_step is not None and path.exists():
+                self.kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+                os.replace(tmp, path)
+            self._jsonl = open(path, "a" if resume_step is not None else "w")
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(out / "tb"))
+            self._tb = SummaryWriter(str(out / "tb"), purge_step=(
+                resume_step + 1 if resume_step is not None else None))
 
     def write(self, row: dict) -> None:
         if self._jsonl is None:
@@ -82,12 +122,80 @@ def evaluate(setup, params, batches: Batches, n: int) -> float:
     return total / max(count, 1.0)
 
 
-def train(cfg, out: Path | None = None, progress: bool = True) -> dict:
-    """Run `cfg` to `cfg.train.steps`; returns a summary dict."""
+class Preemption:
+    """SIGTERM/SIGINT: the first stops the loop after the current step; a second exits now."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        return False
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"\njaxscale train: second signal ({name}): exiting now; finalized "
+                  f"checkpoints are untouched, an unfinished save is discarded on resume",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"\njaxscale train: {name} received: finishing this step, then saving a checkpoint "
+              f"(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
+    def agreed(self) -> bool:
+        """Whether any process was signalled: all processes take the same decision each step."""
+        flag = self.signum is not None
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+        return bool(np.any(multihost_utils.process_allgather(np.array([int(flag)], np.int32))))
+
+
+def _say(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = False,
+          resume_command: str = "") -> dict:
+    """Run `cfg` to `cfg.train.steps` (from the latest checkpoint if `resume`); returns a summary.
+
+    `resume_command` is the command line printed in messages that say how to resume."""
+    if cfg.train.nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"train.nonfinite={cfg.train.nonfinite!r}: give one of "
+                         f"{', '.join(NONFINITE_POLICIES)}")
     out = Path(out or cfg.train.out or f"runs/{cfg.name}")
-    out.mkdir(parents=True, exist_ok=True)
+    hint = f": {resume_command}" if resume_command else " (the same command plus --resume)"
     setup = build(cfg)
     cfg = config_lib.replace_resolved_mesh(cfg, setup.plan.mesh_cfg)
+    ckdir = ckpt_lib.directory_for(cfg, out)
+    start, notes = 0, []
+    if resume:
+        ckpt, state, meta, notes = ckpt_lib.restore_latest(ckdir, cfg.ckpt, cfg,
+                                                           setup.abstract_state())
+        start = meta["step"]
+        _say(f"jaxscale train: resumed from {ckdir / str(start)} (step {start}, data position "
+             f"{meta['data_position']})")
+        for n in notes:
+            _say(f"jaxscale train: note: config differs from the checkpoint: {n}")
+    else:
+        ckpt_lib.refuse_overwrite(ckdir, "" if not resume_command else f" ({resume_command})")
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt = ckpt_lib.Checkpointer(ckdir, cfg.ckpt)
+        state = setup.init_state()
     if jax.process_index() == 0:
         config_lib.save(cfg, out / "config.json")
     corpus = load_corpus(cfg.data)
@@ -99,53 +207,101 @@ def train(cfg, out: Path | None = None, progress: bool = True) -> dict:
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
 
-    state = setup.init_state()
-    writer = MetricsWriter(out)
+    writer = MetricsWriter(out, resume_step=start if resume else None)
+    evals = [r["eval_loss"] for r in writer.kept if "eval_loss" in r]
+    first_eval = evals[0] if evals else None
+    last_eval = evals[-1] if evals else None
+    skipped = sum(int(r.get("skipped", 0)) for r in writer.kept)
     sh = setup.batch_shardings()
     bar = None
     if progress and jax.process_index() == 0:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.train.steps, desc=cfg.name, unit="step", dynamic_ncols=True)
-    first_eval = last_eval = None
+        bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step",
+                   dynamic_ncols=True)
     timed_tokens, timed_secs = 0, 0.0
+    saved = set(ckpt.steps())
+    stopped, row, done = None, None, start
+
+    def save(step_no: int) -> None:
+        if step_no not in saved:
+            ckpt.save(step_no, state, ckpt_lib.make_meta(cfg, state, step_no, row))
+            saved.add(step_no)
+
     try:
-        for step in range(cfg.train.steps):
-            batch = train_b.device_batch(step, sh)
-            t0 = time.perf_counter()
-            state, m = setup.train_step(state, batch)
-            m = jax.device_get(m)
-            dt = time.perf_counter() - t0
-            if step > 0:
-                timed_tokens += tokens_per_step
-                timed_secs += dt
-            tps = tokens_per_step / dt
-            row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                   "lr": float(m["lr"]), "tokens_per_s": tps, "step_time_s": dt,
-                   "mfu": flops_per_step / dt / (peak * n_dev)}
-            if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step == 0
-                                         or step + 1 == cfg.train.steps):
-                row["eval_loss"] = evaluate(setup, state.params, eval_b, cfg.train.eval_batches)
-                first_eval = row["eval_loss"] if first_eval is None else first_eval
-                last_eval = row["eval_loss"]
-            if not np.isfinite(row["loss"]):
-                raise FloatingPointError(f"non-finite loss {row['loss']} at step {step + 1}")
-            if (step + 1) % cfg.train.log_every == 0 or "eval_loss" in row:
-                writer.write(row)
-            if bar is not None:
-                post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}",
-                        "mfu": f"{100 * row['mfu']:.1f}%"}
-                if last_eval is not None:
-                    post["eval"] = f"{last_eval:.3f}"
-                bar.set_postfix(post)
-                bar.update(1)
+        with Preemption() as pre:
+            for step in range(start, cfg.train.steps):
+                batch = train_b.device_batch(step, sh)
+                t0 = time.perf_counter()
+                state, m = setup.train_step(state, batch)
+                m = jax.device_get(m)
+                dt = time.perf_counter() - t0
+                done = step + 1
+                if step > start:
+                    timed_tokens += tokens_per_step
+                    timed_secs += dt
+                tps = tokens_per_step / dt
+                row = {"step": done, "loss": float(m["loss"]),
+                       "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+                       "tokens_per_s": tps, "step_time_s": dt,
+                       "mfu": flops_per_step / dt / (peak * n_dev),
+                       "skipped": int(m.get("skipped", 0))}
+                if "loss_scale" in m:
+                    row["loss_scale"] = float(m["loss_scale"])
+                if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or step == 0
+                                             or done == cfg.train.steps):
+                    row["eval_loss"] = evaluate(setup, state.params, eval_b,
+                                                cfg.train.eval_batches)
+                    first_eval = row["eval_loss"] if first_eval is None else first_eval
+                    last_eval = row["eval_loss"]
+                if done % cfg.train.log_every == 0 or "eval_loss" in row or row["skipped"]:
+                    writer.write(row)
+                if row["skipped"]:
+                    skipped += 1
+                    what = (f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at "
+                            f"step {done}")
+                    if cfg.train.nonfinite == "stop":
+                        ckpt.wait()
+                        good = [s for s in ckpt.steps() if s < done]
+                        keep = (f"the last good checkpoint is step {good[-1]} in {ckdir}; "
+                                f"resume from it{hint}" if good else
+                                f"no checkpoint was written before it (ckpt.every="
+                                f"{cfg.ckpt.every})")
+                        raise TrainingStopped(
+                            f"{what}: stopped (train.nonfinite=stop). The update was not applied "
+                            f"and this step was not saved; {keep}. Lower optim.lr, check the "
+                            f"data, or set train.nonfinite=skip to step over such batches.")
+                    _say(f"jaxscale train: {what}: update skipped (train.nonfinite=skip)")
+                if cfg.ckpt.every and done % cfg.ckpt.every == 0:
+                    save(done)
+                if bar is not None:
+                    post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}",
+                            "mfu": f"{100 * row['mfu']:.1f}%"}
+                    if last_eval is not None:
+                        post["eval"] = f"{last_eval:.3f}"
+                    bar.set_postfix(post)
+                    bar.update(1)
+                if pre.agreed() and done < cfg.train.steps:
+                    stopped = pre.name or "signal on another process"
+                    break
+            save(done)
+            ckpt.wait()
     finally:
         if bar is not None:
             bar.close()
         writer.close()
-    summary = {"steps": cfg.train.steps, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
+        try:
+            ckpt.close()
+        except Exception:   # noqa: BLE001 - never mask the error that brought us here
+            pass
+    if stopped:
+        _say(f"jaxscale train: stopped by {stopped} after step {done} of {cfg.train.steps}; "
+             f"checkpoint saved in {ckdir / str(done)}. Resume with{hint}")
+    summary = {"steps": done, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
                "tokens_per_s": timed_tokens / timed_secs if timed_secs else None,
                "mfu": (flops_per_step * timed_tokens / tokens_per_step / timed_secs / (peak * n_dev)
-                       if timed_secs else None), "out": str(out)}
+                       if timed_secs else None), "out": str(out),
+               "skipped_steps": skipped, "resumed_from": start if resume else None,
+               "checkpoint": str(ckdir / str(done)), "stopped": stopped}
     if jax.process_index() == 0:
         plot_loss(read_metrics(out / "metrics.jsonl"), out / "loss.png", cfg.name)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
