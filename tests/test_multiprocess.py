@@ -1,0 +1,113 @@
+"""Two processes x 4 CPU devices through `jaxscale launch` (jax.distributed, gloo collectives):
+the loss equals the one-process 8-device run's, checkpoints written by both processes resume,
+and killing one process stops the other within the launcher's bound."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxscale import checkpoint as ckpt_lib
+
+SMALL = ["--set", "model.n_layers=2", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
+         "--set", "data.max_bytes=400000", "--set", "train.eval_every=0",
+         "--set", "optim.decay_steps=100"]
+FAIL_BOUND_S = 30       # a dead process's peers are gone within this (launch.py: under a second)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def train(out, steps, *extra) -> list[str]:
+    return ["train", "llama_tiny", "--steps", str(steps), "--out", str(out), *SMALL,
+            "--set", "ckpt.every=3", *extra]
+
+
+def cli(*argv) -> list[str]:
+    return [sys.executable, "-m", "jaxscale.cli", *argv]
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_losses_match(rows, ref, steps):
+    by_step = {r["step"]: r for r in ref}
+    got = {r["step"]: r for r in rows}
+    for s in steps:
+        # the same program; gloo sums across processes in another order than one process does
+        np.testing.assert_allclose(got[s]["loss"], by_step[s]["loss"], rtol=1e-5, err_msg=s)
+        np.testing.assert_allclose(got[s]["grad_norm"], by_step[s]["grad_norm"], rtol=1e-4)
+        assert got[s]["lr"] == by_step[s]["lr"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    out = tmp_path_factory.mktemp("single")
+    r = subprocess.run(cli(*train(out, 10)), env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return rows_of(out)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, env):
+    out = tmp_path_factory.mktemp("multi")
+    r = subprocess.run(cli("launch", "--processes", "2", "--", *train(out, 6)), env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def test_two_processes_train_and_checkpoint_like_one(two_process_run, reference):
+    out, r = two_process_run
+    assert "2 processes x 4 CPU devices" in r.stderr
+    rows = rows_of(out)
+    assert [x["step"] for x in rows] == list(range(1, 7))
+    assert_losses_match(rows, reference, range(1, 7))
+    listing = ckpt_lib.scan(out / "checkpoints")
+    assert listing.complete == [3, 6] and not listing.partial
+    meta = json.loads((out / "checkpoints" / "6" / "meta" / "metadata").read_text())
+    assert meta["mesh"]["processes"] == 2 and meta["mesh"]["devices"] == 8
+    summaries = re.findall(r"^\{\n.*?^\}$", r.stdout, re.S | re.M)   # gloo logs to stdout too
+    assert len(summaries) == 1 and json.loads(summaries[0])["steps"] == 6   # process 0's only
+
+
+def test_resume_in_two_processes_then_a_killed_process_stops_the_other(two_process_run, env,
+                                                                       reference, tmp_path):
+    out, _ = two_process_run
+    err_path = tmp_path / "launch.err"
+    p = subprocess.Popen(cli("launch", "--processes", "2", "--", *train(out, 400), "--resume"),
+                         env=env, stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "9").is_dir():
+        assert p.poll() is None, err_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint at step 9"
+        time.sleep(0.05)
+    pids = [int(x) for x in re.search(r"pids (\d+) (\d+)", err_path.read_text()).groups()]
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = p.wait(FAIL_BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    assert rc != 0 and elapsed < FAIL_BOUND_S, (rc, elapsed)
+    err = err_path.read_text()
+    assert "resumed from" in err and "checkpoints/6 (step 6" in err
+    assert "process 1" in err and "was killed by SIGKILL" in err
+    with pytest.raises(ProcessLookupError):      # process 0 is gone too
+        os.kill(pids[0], 0)
+    rows = {r["step"]: r for r in rows_of(out)}
+    assert_losses_match(list(rows.values()), reference, range(7, 10))
+    listing = ckpt_lib.scan(out / "checkpoints")
+    assert 9 in listing.complete                 # finalized checkpoints survive the failure
