@@ -1,0 +1,128 @@
+"""Helpers shared by the memory experiments (01-05, 08, 20-22): configs, claim checks, tables.
+
+Import after setting XLA_FLAGS (each experiment does that before anything imports jax).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import meshes
+import models
+from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
+
+MiB = 2 ** 20
+DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
+ONE = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")
+
+
+def config(*overrides: str, model: str = "tiny", n_layers: int = 2, seq: int = 32,
+           batch: int = 8, steps: int = 3, lr: float = 1e-3) -> Config:
+    """A small run on the simulated CPU devices; `overrides` are `--set`-style `a.b=c` strings."""
+    cfg = Config(name="exp", model=dataclasses.replace(models.get(model), n_layers=n_layers),
+                 mesh=meshes.get("cpu8"),
+                 data=DataConfig(seq_len=seq, batch_size=batch, max_bytes=2_000_000),
+                 optim=OptimConfig(lr=lr, warmup_steps=min(10, steps)),
+                 train=TrainConfig(steps=steps, eval_every=0))
+    return apply_overrides(cfg, list(overrides))
+
+
+def parse_args(doc: str, default_out: str, extra=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    ap.add_argument("--out", default=default_out, help=f"output directory (default {default_out})")
+    if extra:
+        extra(ap)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def table(headers: list[str], rows: list[list], title: str = "") -> str:
+    """A plain-text table; floats are printed with 4 significant digits unless preformatted."""
+    cells = [[c if isinstance(c, str) else (f"{c:,.4g}" if isinstance(c, float) else f"{c:,}")
+              for c in r] for r in rows]
+    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+         for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r))
+    out = ([title] if title else []) + [line(headers), line(["-" * x for x in w])]
+    return "\n".join(out + [line(r) for r in cells])
+
+
+class Claims:
+    """Measured vs expected, side by side; `finish()` exits non-zero when a claim fails."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def check(self, claim: str, measured, expected, ok: bool) -> bool:
+        fmt = lambda v: v if isinstance(v, str) else f"{v:.4g}"
+        self.rows.append({"claim": claim, "measured": fmt(measured), "expected": fmt(expected),
+                          "ok": bool(ok)})
+        return ok
+
+    def close(self, claim: str, measured: float, expected: float, rtol: float) -> bool:
+        ok = abs(measured - expected) <= rtol * abs(expected)
+        return self.check(claim + f" (within {rtol:.0%})", measured, expected, ok)
+
+    def finish(self, out: str, results: dict | None = None) -> None:
+        print()
+        print(table(["claim", "measured", "expected", "result"],
+                    [[r["claim"], r["measured"], r["expected"], "ok" if r["ok"] else "FAIL"]
+                     for r in self.rows], title="claims"))
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump({"claims": self.rows, **(results or {})}, f, indent=1, default=float)
+        failed = [r["claim"] for r in self.rows if not r["ok"]]
+        if failed:
+            print(f"\nFAILED: {len(failed)} claim(s): " + "; ".join(failed))
+            sys.exit(1)
+        print(f"\nall {len(self.rows)} claims hold; results in {out}")
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save(fig, out: str, name: str) -> str:
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+    return path
+
+
+def grad_bytes(setup) -> int:
+    """Per-device bytes of the gradients with respect to the working parameters, in their own
+    dtype and in the sharding the plan keeps them (ZeRO-2/3: sharded over dp): the output size of
+    a compiled gradient program."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxscale import inspect
+    from jaxscale.axes import use_rules
+    from jaxscale.train.step import token_loss
+    specs = setup.layout.shard_specs if setup.layout.zero >= 2 else setup.layout.param_specs
+    out_sh = jax.tree.map(lambda s: NamedSharding(setup.plan.mesh, s), specs,
+                          is_leaf=lambda x: isinstance(x, P))
+
+    def grads(params, batch):
+        def loss(p):
+            total, n = token_loss(setup.model.apply(p, batch["inputs"]), batch["targets"],
+                                  batch["mask"])
+            return total / n
+        with use_rules(setup.plan.mesh, setup.plan.rules):
+            return jax.grad(loss)(params)
+    with jax.set_mesh(setup.plan.mesh):
+        c = jax.jit(grads, out_shardings=out_sh).lower(setup.abstract_state().params,
+                                                       setup.abstract_batch()).compile()
+    return inspect.memory(c)["output"]
+
+
+def batch_bytes(cfg, n_devices: int = 8) -> int:
+    """Per-device bytes of one batch (inputs, targets int32 and mask fp32), sharded over data."""
+    return 3 * 4 * cfg.data.batch_size * cfg.data.seq_len // n_devices
