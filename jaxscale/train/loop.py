@@ -173,11 +173,18 @@ def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = Fa
           resume_command: str = "") -> dict:
     """Run `cfg` to `cfg.train.steps` (from the latest checkpoint if `resume`); returns a summary.
 
-    `resume_command` is the command line printed in messages that say how to resume."""
+    `resume_command` is the command line printed in messages that say how to resume. A signal
+    that arrives while the run starts (restore, compilation) is honoured after the first step."""
     if cfg.train.nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"train.nonfinite={cfg.train.nonfinite!r}: give one of "
                          f"{', '.join(NONFINITE_POLICIES)}")
-    out = Path(out or cfg.train.out or f"runs/{cfg.name}")
+    with Preemption() as pre:
+        return _train(cfg, Path(out or cfg.train.out or f"runs/{cfg.name}"), progress, resume,
+                      resume_command, pre)
+
+
+def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
+           pre: Preemption) -> dict:
     hint = f": {resume_command}" if resume_command else " (the same command plus --resume)"
     setup = build(cfg)
     cfg = config_lib.replace_resolved_mesh(cfg, setup.plan.mesh_cfg)
@@ -193,9 +200,9 @@ def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = Fa
             _say(f"jaxscale train: note: config differs from the checkpoint: {n}")
     else:
         ckpt_lib.refuse_overwrite(ckdir, "" if not resume_command else f" ({resume_command})")
-        out.mkdir(parents=True, exist_ok=True)
         ckpt = ckpt_lib.Checkpointer(ckdir, cfg.ckpt)
         state = setup.init_state()
+    out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         config_lib.save(cfg, out / "config.json")
     corpus = load_corpus(cfg.data)
@@ -228,63 +235,62 @@ def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = Fa
             saved.add(step_no)
 
     try:
-        with Preemption() as pre:
-            for step in range(start, cfg.train.steps):
-                batch = train_b.device_batch(step, sh)
-                t0 = time.perf_counter()
-                state, m = setup.train_step(state, batch)
-                m = jax.device_get(m)
-                dt = time.perf_counter() - t0
-                done = step + 1
-                if step > start:
-                    timed_tokens += tokens_per_step
-                    timed_secs += dt
-                tps = tokens_per_step / dt
-                row = {"step": done, "loss": float(m["loss"]),
-                       "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                       "tokens_per_s": tps, "step_time_s": dt,
-                       "mfu": flops_per_step / dt / (peak * n_dev),
-                       "skipped": int(m.get("skipped", 0))}
-                if "loss_scale" in m:
-                    row["loss_scale"] = float(m["loss_scale"])
-                if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or step == 0
-                                             or done == cfg.train.steps):
-                    row["eval_loss"] = evaluate(setup, state.params, eval_b,
-                                                cfg.train.eval_batches)
-                    first_eval = row["eval_loss"] if first_eval is None else first_eval
-                    last_eval = row["eval_loss"]
-                if done % cfg.train.log_every == 0 or "eval_loss" in row or row["skipped"]:
-                    writer.write(row)
-                if row["skipped"]:
-                    skipped += 1
-                    what = (f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at "
-                            f"step {done}")
-                    if cfg.train.nonfinite == "stop":
-                        ckpt.wait()
-                        good = [s for s in ckpt.steps() if s < done]
-                        keep = (f"the last good checkpoint is step {good[-1]} in {ckdir}; "
-                                f"resume from it{hint}" if good else
-                                f"no checkpoint was written before it (ckpt.every="
-                                f"{cfg.ckpt.every})")
-                        raise TrainingStopped(
-                            f"{what}: stopped (train.nonfinite=stop). The update was not applied "
-                            f"and this step was not saved; {keep}. Lower optim.lr, check the "
-                            f"data, or set train.nonfinite=skip to step over such batches.")
-                    _say(f"jaxscale train: {what}: update skipped (train.nonfinite=skip)")
-                if cfg.ckpt.every and done % cfg.ckpt.every == 0:
-                    save(done)
-                if bar is not None:
-                    post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}",
-                            "mfu": f"{100 * row['mfu']:.1f}%"}
-                    if last_eval is not None:
-                        post["eval"] = f"{last_eval:.3f}"
-                    bar.set_postfix(post)
-                    bar.update(1)
-                if pre.agreed() and done < cfg.train.steps:
-                    stopped = pre.name or "signal on another process"
-                    break
-            save(done)
-            ckpt.wait()
+        for step in range(start, cfg.train.steps):
+            batch = train_b.device_batch(step, sh)
+            t0 = time.perf_counter()
+            state, m = setup.train_step(state, batch)
+            m = jax.device_get(m)
+            dt = time.perf_counter() - t0
+            done = step + 1
+            if step > start:
+                timed_tokens += tokens_per_step
+                timed_secs += dt
+            tps = tokens_per_step / dt
+            row = {"step": done, "loss": float(m["loss"]),
+                   "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+                   "tokens_per_s": tps, "step_time_s": dt,
+                   "mfu": flops_per_step / dt / (peak * n_dev),
+                   "skipped": int(m.get("skipped", 0))}
+            if "loss_scale" in m:
+                row["loss_scale"] = float(m["loss_scale"])
+            if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or step == 0
+                                         or done == cfg.train.steps):
+                row["eval_loss"] = evaluate(setup, state.params, eval_b,
+                                            cfg.train.eval_batches)
+                first_eval = row["eval_loss"] if first_eval is None else first_eval
+                last_eval = row["eval_loss"]
+            if done % cfg.train.log_every == 0 or "eval_loss" in row or row["skipped"]:
+                writer.write(row)
+            if row["skipped"]:
+                skipped += 1
+                what = (f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at "
+                        f"step {done}")
+                if cfg.train.nonfinite == "stop":
+                    ckpt.wait()
+                    good = [s for s in ckpt.steps() if s < done]
+                    keep = (f"the last good checkpoint is step {good[-1]} in {ckdir}; "
+                            f"resume from it{hint}" if good else
+                            f"no checkpoint was written before it (ckpt.every="
+                            f"{cfg.ckpt.every})")
+                    raise TrainingStopped(
+                        f"{what}: stopped (train.nonfinite=stop). The update was not applied "
+                        f"and this step was not saved; {keep}. Lower optim.lr, check the "
+                        f"data, or set train.nonfinite=skip to step over such batches.")
+                _say(f"jaxscale train: {what}: update skipped (train.nonfinite=skip)")
+            if cfg.ckpt.every and done % cfg.ckpt.every == 0:
+                save(done)
+            if bar is not None:
+                post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}",
+                        "mfu": f"{100 * row['mfu']:.1f}%"}
+                if last_eval is not None:
+                    post["eval"] = f"{last_eval:.3f}"
+                bar.set_postfix(post)
+                bar.update(1)
+            if pre.agreed() and done < cfg.train.steps:
+                stopped = pre.name or "signal on another process"
+                break
+        save(done)
+        ckpt.wait()
     finally:
         if bar is not None:
             bar.close()
