@@ -1,0 +1,412 @@
+"""Hugging Face LLaMA interop: `LlamaForCausalLM` directories in, sharded jaxscale params out, and back.
+
+Loading reads `config.json` (transformers 4 style `rope_theta` + `rope_scaling`, or transformers 5
+style `rope_parameters`) into a `ModelConfig`, then builds every parameter with
+`jax.make_array_from_callback`: each device's callback opens the safetensors file that holds the
+tensor (`model.safetensors`, or the shard named by `model.safetensors.index.json`) and reads only
+the slice that device owns (`safe_open(...).get_slice(name)[rows, cols]`), so no device and no host
+buffer ever holds a whole sharded tensor. Stacked (scanned) layers are read layer by layer.
+
+Layout: Hugging Face `nn.Linear` weights are [out, in]; jaxscale keeps [in, heads, head_dim] for
+Q/K/V, [heads, head_dim, out] for the attention output and [in, out] for the rest. The rotary
+layout is the same on both sides (rotate-half: pairs (x[i], x[i + d/2])), so Q and K need no
+permutation, only the reshape and transpose above.
+
+Anything the jaxscale LLaMA cannot express fails with a `ValueError` naming the field or tensor:
+another architecture or `model_type`, an activation other than SiLU, attention or MLP biases, a
+`rope_scaling` type other than default/llama3, partial rotary embeddings, tensors with no place
+in the model (or missing ones). Exporting writes `config.json` and safetensors, split into
+`model-0000k-of-0000n.safetensors` files plus an index once the total passes `max_shard_bytes`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from models.llama import ModelConfig, RopeScaling
+
+ARCHITECTURE = "LlamaForCausalLM"
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+#: tensors some checkpoints carry that are derived, not learned (RoPE tables)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_NUMPY_DTYPES = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
+
+
+# ----------------------------------------------------------------------------- config
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_scaling={params!r}: expected a dict or null")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("rope_parameters: per-layer-type RoPE settings are not supported "
+                         "(jaxscale's LLaMA uses one RoPE for every layer)")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported: jaxscale rotates the whole "
+                         "head dimension")
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported; jaxscale implements "
+                         f"'default' and 'llama3' (Llama-3.1 frequency scaling)")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if k not in params]
+    if missing:
+        raise ValueError(f"rope_scaling (llama3) lacks {', '.join(missing)}")
+    return theta, RopeScaling(factor=float(params["factor"]),
+                              low_freq_factor=float(params["low_freq_factor"]),
+                              high_freq_factor=float(params["high_freq_factor"]),
+                              original_max_position=int(params["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face LLaMA `config.json` dict; `overrides` set jaxscale-only
+    fields (`scan_layers`, `attention`, `dtype`, ...). Unsupported settings raise ValueError."""
+    archs = hf.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in archs:
+        raise ValueError(f"architectures={archs}: only {ARCHITECTURE} can be loaded")
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type={hf['model_type']!r}: only 'llama' can be loaded")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported: jaxscale's MLP is SwiGLU (silu)")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field, False):
+            raise ValueError(f"{field}=true is not supported: jaxscale's LLaMA has no biases")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+        if field not in hf:
+            raise ValueError(f"config.json lacks {field}")
+    theta, scaling = _rope_from_hf(hf)
+    heads = int(hf["num_attention_heads"])
+    kw: dict[str, Any] = dict(
+        vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]),
+        n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        ffn_dim=int(hf["intermediate_size"]), head_dim=int(hf.get("head_dim") or 0),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=theta,
+        rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)))
+    if kw["head_dim"] == kw["dim"] // heads and kw["dim"] % heads == 0:
+        kw["head_dim"] = 0
+    kw.update(overrides)
+    return ModelConfig(**kw).validate()
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """The `config.json` of `cfg`, readable by transformers 4 (`rope_theta`/`rope_scaling`) and 5
+    (`rope_parameters`)."""
+    s = cfg.rope_scaling
+    scaling = None if s is None else {
+        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings":
+        s.original_max_position}
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default" if s is None else "llama3",
+                            "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+# ----------------------------------------------------------------------------- tensor layout
+@dataclass(frozen=True)
+class TensorMap:
+    """One Hugging Face tensor and the jaxscale parameter (or layer of it) it becomes.
+
+    kind: `same` (identical layout), `t` (2-D transpose), `qkv` ([n*hd, d] <-> [d, n, hd]),
+    `o` ([d, n*hd] <-> [n, hd, d])."""
+    hf_name: str
+    path: tuple          # keys into the params dict (an int layer key when not scanned)
+    layer: int | None    # the index into the leading layers axis when scanned
+    kind: str
+    heads: int = 0
+    head_dim: int = 0
+
+
+def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
+    maps = [TensorMap("model.embed_tokens.weight", ("embed",), None, "same"),
+            TensorMap("model.norm.weight", ("norm", "scale"), None, "same")]
+    if not cfg.tie_embeddings:
+        maps.append(TensorMap("lm_head.weight", ("head",), None, "t"))
+    hd = cfg.hd
+    for i in range(cfg.n_layers):
+        pre, base = f"model.layers.{i}.", (("layers",) if cfg.scan_layers else ("layers", i))
+        layer = i if cfg.scan_layers else None
+        for name, key, kind, n in (
+                ("self_attn.q_proj", ("attn", "wq"), "qkv", cfg.n_heads),
+                ("self_attn.k_proj", ("attn", "wk"), "qkv", cfg.n_kv_heads),
+                ("self_attn.v_proj", ("attn", "wv"), "qkv", cfg.n_kv_heads),
+                ("self_attn.o_proj", ("attn", "wo"), "o", cfg.n_heads),
+                ("mlp.gate_proj", ("mlp", "w_gate"), "t", 0),
+                ("mlp.up_proj", ("mlp", "w_up"), "t", 0),
+                ("mlp.down_proj", ("mlp", "w_down"), "t", 0),
+                ("input_layernorm", ("attn_norm", "scale"), "same", 0),
+                ("post_attention_layernorm", ("mlp_norm", "scale"), "same", 0)):
+            maps.append(TensorMap(pre + name + ".weight", base + key, layer, kind, n, hd))
+    return maps
+
+
+def to_hf_layout(m: TensorMap, x: np.ndarray) -> np.ndarray:
+    """One layer's jaxscale array -> the Hugging Face tensor."""
+    if m.kind == "same":
+        return x
+    if m.kind == "t":
+        return x.T
+    if m.kind == "qkv":
+        return x.reshape(x.shape[0], m.heads * m.head_dim).T
+    return x.reshape(m.heads * m.head_dim, x.shape[-1]).T        # "o"
+
+
+def _bounds(s: slice, n: int) -> tuple[int, int]:
+    start, stop, step = s.indices(n)
+    if step != 1:
+        raise ValueError(f"shard slices must be contiguous, got step {step}")
+    return start, stop
+
+
+def read_block(m: TensorMap, read: Callable[[tuple], np.ndarray], index: tuple) -> np.ndarray:
+    """The block `index` (slices over one layer's jaxscale shape) of a parameter, reading only the
+    Hugging Face rows and columns it needs through `read(hf_slices)`."""
+    if m.kind == "same":
+        return read(tuple(index))
+    if m.kind == "t":
+        return read((index[1], index[0])).T
+    hd = m.head_dim
+    if m.kind == "qkv":              # jax [d, n, k] <- hf [n*hd, d]
+        (n0, n1) = _bounds(index[1], m.heads)
+        rows = read((slice(n0 * hd, n1 * hd), index[0]))             # [(n1-n0)*hd, d]
+        x = rows.reshape(n1 - n0, hd, rows.shape[-1])[:, index[2], :]
+        return x.transpose(2, 0, 1)
+    (n0, n1) = _bounds(index[0], m.heads)   # "o": jax [n, k, d] <- hf [d, n*hd]
+    cols = read((index[2], slice(n0 * hd, n1 * hd)))                 # [d, (n1-n0)*hd]
+    x = cols.reshape(cols.shape[0], n1 - n0, hd)[:, :, index[1]]
+    return x.transpose(1, 2, 0)
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def params_to_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Host copy of a (small) params dict in Hugging Face names and layout."""
+    out = {}
+    for m in tensor_maps(cfg):
+        x = np.asarray(_get(params, m.path))
+        out[m.hf_name] = np.ascontiguousarray(to_hf_layout(m, x if m.layer is None else x[m.layer]))
+    return out
+
+
+def hf_to_params(tensors: dict, cfg: ModelConfig) -> dict:
+    """Hugging Face named arrays -> a jaxscale params dict of numpy arrays (host memory)."""
+    params: dict = {}
+    by_path: dict[tuple, list] = {}
+    for m in tensor_maps(cfg):
+        if m.hf_name not in tensors:
+            raise ValueError(f"tensor {m.hf_name} is missing")
+        t = np.asarray(tensors[m.hf_name])
+        full = (slice(None),) * {"same": t.ndim, "t": 2, "qkv": 3, "o": 3}[m.kind]
+        x = read_block(m, lambda sl, t=t: t[sl], full)
+        by_path.setdefault(m.path, []).append(x)
+    for path, xs in by_path.items():
+        node = params
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = np.stack(xs) if cfg.scan_layers and path[0] == "layers" else xs[0]
+    return params
+
+
+# ----------------------------------------------------------------------------- loading
+class Checkpoint:
+    """The safetensors files of a Hugging Face directory, opened lazily, read slice by slice."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise FileNotFoundError(f"{self.path}/config.json not found: not a Hugging Face "
+                                    f"model directory")
+        self.hf_config = json.loads((self.path / "config.json").read_text())
+        self._files: dict[tuple, Any] = {}
+        self.reads: list[tuple[str, tuple]] = []      # (name, shape read), for inspection
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / SINGLE_FILE).is_file():
+            self.weight_map = {n: SINGLE_FILE for n in self._open(SINGLE_FILE, "numpy").keys()}
+        else:
+            raise FileNotFoundError(f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+    def _open(self, file: str, framework: str):
+        from safetensors import safe_open
+        key = (file, framework)
+        if key not in self._files:
+            self._files[key] = safe_open(str(self.path / file), framework=framework)
+        return self._files[key]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._open(self.weight_map[name], "numpy").get_slice(name).get_shape())
+
+    def read(self, name: str, slices: tuple, dtype) -> np.ndarray:
+        sl = self._open(self.weight_map[name], "numpy").get_slice(name)
+        if sl.get_dtype() not in _NUMPY_DTYPES:          # bf16 and friends: via ml_dtypes
+            sl = self._open(self.weight_map[name], "flax").get_slice(name)
+        x = np.asarray(sl[slices], dtype=dtype)
+        self.reads.append((name, x.shape))
+        return x
+
+    def check_tensors(self, cfg: ModelConfig) -> None:
+        expected = {m.hf_name for m in tensor_maps(cfg)}
+        present = set(self.weight_map)
+        extra = sorted(n for n in present - expected
+                       if not n.endswith(IGNORED_SUFFIXES) and not (
+                           cfg.tie_embeddings and n == "lm_head.weight"))
+        if extra:
+            raise ValueError(f"the checkpoint holds tensors jaxscale's LLaMA has no place for "
+                             f"(biases? another architecture?): {', '.join(extra[:8])}"
+                             f"{' ...' if len(extra) > 8 else ''}")
+        missing = sorted(expected - present)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {', '.join(missing[:8])}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+
+def load_params(path_or_ckpt, cfg: ModelConfig, shardings) -> dict:
+    """jaxscale params for `cfg` from a Hugging Face directory, each device reading its own slice.
+
+    `shardings`: a tree of `jax.sharding.Sharding` matching the params (e.g.
+    `FunctionalModel(cfg).param_shardings(plan)`), or one sharding for every parameter."""
+    from jaxscale.train.state import FunctionalModel
+    ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint(path_or_ckpt)
+    ckpt.check_tensors(cfg)
+    abstract = FunctionalModel(cfg).abstract_params
+    maps: dict[tuple, list[TensorMap]] = {}
+    for m in tensor_maps(cfg):
+        maps.setdefault(m.path, []).append(m)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, abstract)
+
+    def build(path, leaf, sharding):
+        ms = maps[path]
+        dtype = np.dtype(leaf.dtype)
+        per_layer = leaf.shape[1:] if ms[0].layer is not None else leaf.shape
+        for m in ms:
+            want = to_hf_layout(m, np.empty(per_layer, np.int8)).shape
+            got = ckpt.shape(m.hf_name)
+            if tuple(got) != tuple(want):
+                raise ValueError(f"tensor {m.hf_name} has shape {list(got)}, the config implies "
+                                 f"{list(want)}")
+
+        def callback(index):
+            def one(m, idx):
+                return read_block(m, lambda sl: ckpt.read(m.hf_name, sl, dtype), idx)
+            if ms[0].layer is None:
+                return one(ms[0], index)
+            lo, hi = _bounds(index[0], leaf.shape[0])
+            return np.stack([one(ms[i], index[1:]) for i in range(lo, hi)])
+        return jax.make_array_from_callback(leaf.shape, sharding, callback, dtype=dtype)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    shard_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    out = [build(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), leaf, sh)
+           for (p, leaf), sh in zip(flat, shard_leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+@dataclass
+class Loaded:
+    cfg: Any            # jaxscale.config.Config with the checkpoint's model
+    plan: Any           # the plan the params are sharded for
+    params: dict
+
+
+def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
+    """Read a Hugging Face LLaMA directory onto the mesh of `cfg` (a `jaxscale.config.Config`;
+    default: the default Config, i.e. its mesh preset) with the plan's parameter shardings.
+    `model_overrides` set jaxscale-only model fields (`scan_layers`, `attention`, `dtype`)."""
+    from jaxscale import plan as plan_lib
+    from jaxscale.config import Config
+    from jaxscale.train.state import FunctionalModel
+    ckpt = Checkpoint(path)
+    cfg = cfg or Config()
+    keep = {k: getattr(cfg.model, k) for k in ("scan_layers", "attention", "dtype", "param_dtype")}
+    model_cfg = config_from_hf(ckpt.hf_config, **{**keep, **model_overrides})
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    plan = plan_lib.build(cfg, devices)
+    shardings = FunctionalModel(model_cfg).param_shardings(plan)
+    return Loaded(cfg, plan, load_params(ckpt, model_cfg, shardings))
+
+
+# ----------------------------------------------------------------------------- export
+def _host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def export(path, params, cfg: ModelConfig, dtype: str = "float32",
+           max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write `params` as a Hugging Face LLaMA directory; returns the files written.
+
+    Tensors come to the host one at a time (one layer of a scanned stack at a time) and are
+    written file by file, so the host holds at most one output file's worth. Above `max_shard_bytes` in
+    total the weights are split into numbered files with `model.safetensors.index.json`.
+    Multi-process: every process must call this (the gathers are collective); process 0 writes."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    out = Path(path)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    maps = tensor_maps(cfg)
+    sizes = []
+    for m in maps:
+        leaf = _get(params, m.path)
+        n = math.prod(leaf.shape[1:] if m.layer is not None else leaf.shape)
+        sizes.append(n * np_dtype.itemsize)
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for i, b in enumerate(sizes):
+        if groups[-1] and acc + b > max_shard_bytes:
+            groups.append([])
+            acc = 0
+        groups[-1].append(i)
+        acc += b
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+    names = [SINGLE_FILE] if len(groups) == 1 else [
+        f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    weight_map = {}
+    for name, group in zip(names, groups):
+        tensors = {}
+        for i in group:
+            m = maps[i]
+            leaf = _get(params, m.path)
+            x = _host(leaf if m.layer is None else leaf[m.layer])   # one layer on the host
+            tensors[m.hf_name] = np.ascontiguousarray(to_hf_layout(m, x).astype(np_dtype))
+            weight_map[m.hf_name] = name
+        if writer:
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+    files = [out / "config.json"] + [out / n for n in names]
+    if writer and len(names) > 1:
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, indent=2))
+        files.append(out / INDEX_FILE)
+    return files

@@ -1,0 +1,164 @@
+"""Hugging Face interop: random tiny `LlamaForCausalLM`s built locally load onto sharded meshes with
+transformers' logits (1e-5), read only per-device slices, export back bit for bit, and unsupported
+configs fail naming the field."""
+import copy
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxscale import hf  # noqa: E402
+from jaxscale.axes import use_rules  # noqa: E402
+from jaxscale.train.state import FunctionalModel  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+CASES = {   # name: (LlamaConfig fields, mesh dp/fsdp/tp)
+    "gqa": (dict(num_attention_heads=4, num_key_value_heads=2), (1, 4, 2)),
+    "mqa": (dict(num_attention_heads=4, num_key_value_heads=1), (2, 4, 1)),
+    "tied": (dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+             (1, 2, 4)),
+    "llama3.1-rope": (dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling=LLAMA3,
+                           rope_theta=50000.0), (2, 2, 2)),
+    "head_dim": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24), (1, 8, 1)),
+}
+
+
+def make_hf_model(seed=0, **kw):
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                max_position_embeddings=128, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    kw = copy.deepcopy(kw)          # LlamaConfig writes into the rope dict it is given
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **kw})).eval()
+    with torch.no_grad():           # non-trivial norm scales, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def jax_logits(loaded, tokens):
+    model = FunctionalModel(loaded.cfg.model)
+
+    def f(p, t):
+        with use_rules(loaded.plan.mesh, loaded.plan.rules):
+            return model.apply(p, t)
+    return np.asarray(jax.jit(f)(loaded.params, tokens))
+
+
+def mesh_cfg(dp, fsdp, tp):
+    return tiny_config(f"mesh.dp={dp}", f"mesh.fsdp={fsdp}", f"mesh.tp={tp}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_match_transformers(name, tmp_path):
+    kw, mesh = CASES[name]
+    model = make_hf_model(**kw)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if name == "gqa" else "1GB")
+    assert (tmp_path / hf.INDEX_FILE).exists() == (name == "gqa")
+    loaded = hf.load(tmp_path, mesh_cfg(*mesh))
+    assert loaded.cfg.model.tie_embeddings == (name == "tied")
+    assert (loaded.cfg.model.rope_scaling is not None) == (name == "llama3.1-rope")
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 40))
+    with torch.no_grad():
+        ref = model(torch.from_numpy(tokens)).logits.numpy()
+    out = jax_logits(loaded, tokens)
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_export_reload_identical(tmp_path, scan):
+    model = make_hf_model(**CASES["gqa"][0])
+    model.save_pretrained(tmp_path / "src")
+    loaded = hf.load(tmp_path / "src", mesh_cfg(1, 4, 2), scan_layers=scan)
+    files = hf.export(tmp_path / "out", loaded.params, loaded.cfg.model, max_shard_bytes=60_000)
+    assert (tmp_path / "out" / hf.INDEX_FILE) in files and len(files) > 3
+    index = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    again = hf.load(tmp_path / "out", mesh_cfg(2, 2, 2), scan_layers=scan)
+    assert again.cfg.model == loaded.cfg.model
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for k, v in model.state_dict().items():      # the exported tensors are transformers' own
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_reads_only_device_slices(tmp_path):
+    make_hf_model(**CASES["gqa"][0]).save_pretrained(tmp_path)
+    cfg = mesh_cfg(1, 8, 1)
+    ckpt = hf.Checkpoint(tmp_path)
+    model_cfg = hf.config_from_hf(ckpt.hf_config)
+    from jaxscale import plan as plan_lib
+    plan = plan_lib.build(dataclasses.replace(cfg, model=model_cfg))
+    hf.load_params(ckpt, model_cfg, FunctionalModel(model_cfg).param_shardings(plan))
+    assert ckpt.reads
+    for name, shape in ckpt.reads:    # fsdp=8 shards every tensor on `embed`: an eighth at most
+        assert np.prod(shape) * 8 <= np.prod(ckpt.shape(name)), (name, shape)
+
+
+def test_bf16_checkpoint(tmp_path):
+    model = make_hf_model(**CASES["mqa"][0]).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    loaded = hf.load(tmp_path, mesh_cfg(4, 2, 1))
+    emb = np.asarray(loaded.params["embed"])
+    assert emb.dtype == np.float32
+    np.testing.assert_array_equal(emb, model.model.embed_tokens.weight.detach().float().numpy())
+
+
+def test_transformers4_style_config():
+    v4 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+          "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+          "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3.items()
+                                                if k != "rope_type"}}}
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**LLAMA3, "rope_theta": 500000.0}
+    a, b = hf.config_from_hf(v4), hf.config_from_hf(v5)
+    assert a == b and a.rope_theta == 500000.0 and a.rope_scaling.original_max_position == 16
+    assert hf.config_from_hf(hf.config_to_hf(a)) == a
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn'"),
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic'"),
+    ("attention_bias", True, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("model_type", "mistral", "model_type='mistral'"),
+    ("architectures", ["GPT2LMHeadModel"], "architectures"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+])
+def test_unsupported_config_named(field, value, match):
+    cfg = hf.config_to_hf(tiny_config().model)
+    cfg.pop("rope_parameters")
+    cfg[field] = value
+    with pytest.raises(ValueError, match=match.replace("[", r"\[").replace(".", r"\.")):
+        hf.config_from_hf(cfg)
+
+
+def test_biased_checkpoint_rejected(tmp_path):
+    make_hf_model(num_attention_heads=4, num_key_value_heads=2,
+                  attention_bias=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        hf.load(tmp_path, mesh_cfg(4, 2, 1))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["attention_bias"] = False              # config lies: the tensors still give it away
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"no place for.*self_attn\.\w_proj\.bias"):
+        hf.load(tmp_path, mesh_cfg(4, 2, 1))
+
+
+def test_shape_mismatch_named(tmp_path):
+    make_hf_model(**CASES["gqa"][0]).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight has shape"):
+        hf.load(tmp_path, mesh_cfg(4, 2, 1))
