@@ -1,0 +1,516 @@
+"""python -m benchmarks.matched_training [--pairs dp,fsdp,tp] [--world 8] [--steps 20] [--out DIR]
+
+Matched training baselines: jaxscale against the PyTorch way of doing the same thing, on the same
+LLaMA, initial weights, batches, optimizer and schedule, in one run.
+
+  pair   PyTorch (a real multi-process job on localhost)      jaxscale (one process, a mesh)
+  dp     DistributedDataParallel                              mesh dp=world
+  fsdp   FSDP2 `fully_shard` per block + root                 mesh fsdp=world
+  hsdp   FSDP2 `fully_shard` on a 2-D (replicate, shard) mesh mesh dp=2 x fsdp=world/2
+  tp     DTensor `parallelize_module`: Q/K/V, gate/up          mesh tp=world (heads, kv_heads,
+         ColwiseParallel; O, down RowwiseParallel; embedding  mlp, vocab over tp)
+         RowwiseParallel (vocab); head ColwiseParallel with
+         `loss_parallel` (vocab-sharded cross-entropy)
+
+Sameness: the initial weights are the jaxscale init converted by `benchmarks.torch_llama`; batch i
+is `Batches(...).global_rows(i)` on both sides (data-parallel rank r takes rows r*B/n..(r+1)*B/n,
+TP ranks take all rows); the loss is the token mean over the global batch (each data-parallel rank
+scales its token-sum loss by world/tokens, so DDP's and FSDP2's gradient averaging gives exactly
+the global mean); the optimizer is `torch_llama.AdamWLikeOptax`, a term-by-term copy of
+`make_optimizer` (same clipping rule, AdamW, schedule, no decay on norm scales). PyTorch runs eager
+(no torch.compile), fp32; jaxscale runs its jitted train step.
+
+Timing: after `--warmup` untimed steps (compilation, first-touch), the two sides take turns in
+chunks of `--chunk` steps, order reversed every chunk (JAX torch, torch JAX, ...), so drift hits
+both. A torch chunk starts after a barrier and lasts as long as its slowest rank; a JAX chunk ends
+with `block_until_ready`. On CPU the `world` JAX devices and the `world` torch processes share the
+machine's cores, so only the JAX/torch ratio in one run means anything.
+Memory per rank: "state" is parameters + Adam moments held by a rank (exact on both sides);
+"peak" is, for JAX, the compiled step's `memory_analysis()` per device (arguments + outputs +
+temporaries - aliased); for torch on CPU the peak of live tensor bytes that torch's `MemTracker`
+(`FSDPMemTracker` for FSDP2) records over one extra step after the run (tensors allocated inside
+C++, such as DDP's gradient buckets, are not seen), on CUDA `max_memory_allocated`. Each rank's
+peak RSS is in the JSON too; it is mostly the runtime, not the model.
+On GPUs the torch job uses NCCL, one GPU per rank, and JAX the same GPUs (world <= GPU count).
+Outputs under --out: matched_training.json and matched_training.png; the table is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxscale.bench.torch_collectives import TorchFailure, TorchJob, _free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PAIRS = {"dp": ("DDP", "jaxscale DP"), "fsdp": ("FSDP2", "jaxscale FSDP"),
+         "hsdp": ("FSDP2 HSDP", "jaxscale dp x fsdp"), "tp": ("DTensor TP", "jaxscale TP")}
+DATA_PARALLEL = ("dp", "fsdp", "hsdp")
+MiB = 2**20
+
+
+# ============================================================================ torch worker
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        loc = t.to_local() if hasattr(t, "to_local") else t
+        total += loc.numel() * loc.element_size()
+    return total
+
+
+def _tracked_step(step, model, optimizer, mode: str) -> tuple[int, dict]:
+    """Peak live tensor bytes of one step, from torch's MemTracker (FSDPMemTracker for FSDP2,
+    which also sees its all-gather and reduce-scatter buffers). Buffers allocated inside C++
+    (DDP's gradient buckets, gloo's staging) are not tensors it sees."""
+    if mode in ("fsdp", "hsdp"):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return int(snap["Total"]), {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+
+
+class Trainer:
+    """One pair's torch side on one rank: model, strategy, optimizer and its share of the data."""
+
+    def __init__(self, spec: dict, rank: int, world: int, device):
+        import torch
+
+        from benchmarks.torch_llama import (AdamWLikeOptax, TorchLlama, TorchLlamaConfig,
+                                            parallelize)
+        self.mode, self.device, self.world = spec["mode"], device, world
+        model = TorchLlama(TorchLlamaConfig(**spec["model"]))
+        with np.load(spec["init"]) as init:
+            model.load_state_dict({k: torch.from_numpy(init[k]) for k in init.files})
+        self.model = parallelize(model.to(device), self.mode, world, device.type, spec["hsdp_dp"])
+        self.inner = self.model.module if self.mode == "dp" else self.model
+        self.opt = AdamWLikeOptax(self.inner.named_parameters(), spec["optim"],
+                                  spec["total_steps"])
+        with np.load(spec["batches"]) as data:
+            self.inputs, self.targets, self.mask = data["inputs"], data["targets"], data["mask"]
+        per = self.inputs.shape[1] // world
+        dp = self.mode in DATA_PARALLEL
+        self.rows = slice(rank * per, (rank + 1) * per) if dp else slice(None)
+        self.ntok = np.maximum(self.mask.sum(axis=(1, 2)), 1.0)
+        self.loss_scale = world if dp else 1     # DDP / FSDP2 average the ranks' gradients
+
+    def step(self, i: int):
+        """Train on global batch i; returns (this rank's token-sum loss, grad norm)."""
+        import torch
+        import torch.nn.functional as F
+        r, dev = self.rows, self.device
+        x = torch.from_numpy(self.inputs[i, r]).long().to(dev)
+        y = torch.from_numpy(self.targets[i, r]).long().to(dev)
+        y = y.masked_fill(torch.from_numpy(self.mask[i, r] == 0).to(dev), -100)
+        logits = self.model(x)
+        if self.mode == "tp":      # vocab-sharded logits: cross-entropy without gathering them
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                s = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+                (s * (1.0 / self.ntok[i])).backward()
+            s = s.to_local()
+        else:
+            s = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            (s * (self.loss_scale / self.ntok[i])).backward()
+        return s.detach(), self.opt.step()
+
+    def steps(self, start: int, n: int, sync) -> dict:
+        import torch
+        import torch.distributed as dist
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        out = [self.step(i) for i in range(start, start + n)]
+        sync()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)     # a chunk lasts until its slowest rank
+        sums = torch.stack([s for s, _ in out]).double()
+        if self.mode in DATA_PARALLEL:
+            dist.all_reduce(sums)
+        losses = sums.cpu().numpy() / self.ntok[start:start + n]
+        return {"time": float(elapsed), "loss": losses.tolist(), "grad_norm": [g for _, g in out]}
+
+    def stats(self) -> dict:
+        import torch
+        mine = {"params_bytes": _local_bytes(self.inner.parameters()),
+                "opt_bytes": self.opt.state_bytes(),
+                "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.device.type == "cuda":
+            mine["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:   # one more step (the last batch again) under a tensor memory tracker
+            mine["peak_bytes"], mine["peak_breakdown"] = _tracked_step(
+                lambda: self.step(len(self.inputs) - 1), self.model, self.opt.opt, self.mode)
+        from torch.distributed.tensor.debug import CommDebugMode
+        with CommDebugMode() as comm:        # the collectives of one more step, by op
+            self.step(len(self.inputs) - 1)
+        mine["collectives"] = {str(k): int(v) for k, v in comm.get_comm_counts().items()}
+        return mine
+
+
+def worker() -> None:
+    """One rank: env RANK, WORLD_SIZE, MASTER_ADDR/PORT; JSON requests on stdin (setup with a
+    spec file, steps, stats, exit); rank 0 answers `RESULT <json>` on stdout."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = os.environ.get("JAXSCALE_TORCH_BACKEND", "gloo")
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group(backend, timeout=timedelta(
+        seconds=float(os.environ.get("JAXSCALE_TORCH_TIMEOUT", "300"))))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.barrier()
+    if rank == 0:
+        print("READY", flush=True)
+    trainer = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["cmd"] == "exit":
+            break
+        if req["cmd"] == "setup":
+            trainer = None                       # free the previous pair first
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            trainer = Trainer(json.loads(Path(req["spec"]).read_text()), rank, world, device)
+            dist.barrier()
+            reply = {"ok": True}
+        elif req["cmd"] == "steps":
+            reply = trainer.steps(req["start"], req["n"], sync)
+        elif req["cmd"] == "stats":
+            reply = [None] * world
+            dist.all_gather_object(reply, trainer.stats())
+        else:
+            raise ValueError(f"unknown request {req}")
+        if rank == 0:
+            print("RESULT " + json.dumps(reply), flush=True)
+    dist.destroy_process_group()
+
+
+class TrainJob(TorchJob):
+    """`world` torch ranks running `worker()`; `TorchJob`'s bounded waits and error reporting."""
+
+    def __init__(self, world: int, backend: str, timeout: float):
+        self.world, self.backend, self.timeout = world, backend, timeout
+        self.logdir = Path(tempfile.mkdtemp(prefix="jaxscale_train_"))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", JAXSCALE_TORCH_BACKEND=backend,
+                   JAXSCALE_TORCH_TIMEOUT=str(timeout),
+                   PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get(
+                       "PYTHONPATH", "").split(os.pathsep) if p]))
+        code = "from benchmarks.matched_training import worker; worker()"
+        self.procs, self._lines = [], queue.Queue()
+        for r in range(world):
+            with open(self.logdir / f"rank{r}.log", "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", code], env=dict(env, RANK=str(r)), text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=log))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def wait_ready(self) -> None:
+        self._expect("READY")
+
+    def request(self, **req):
+        self._send(req)
+        return json.loads(self._expect("RESULT"))
+
+
+# ============================================================================ JAX side and pairs
+def pair_config(base, mode: str, world: int, hsdp_dp: int = 2):
+    from jaxscale.config import apply_overrides
+    deg = {"dp": (world, 1, 1), "fsdp": (1, world, 1), "tp": (1, 1, world),
+           "hsdp": (hsdp_dp, world // hsdp_dp, 1)}[mode]
+    return apply_overrides(base, [f"mesh.{a}={d}" for a, d in zip(("dp", "fsdp", "tp"), deg)] +
+                           ["plan.zero=0", "plan.accumulate=1", "plan.precision=fp32"])
+
+
+def global_batches(cfg, steps: int) -> dict[str, np.ndarray]:
+    from jaxscale.data import Batches, load_corpus
+    b = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len,
+                seed=cfg.data.seed)
+    rows = [b.global_rows(i) for i in range(steps)]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def initial_params(cfg):
+    import jax
+    from jaxscale.train.state import FunctionalModel
+    return jax.device_get(jax.jit(FunctionalModel(cfg.model).init)(
+        jax.random.key(cfg.train.seed)))
+
+
+def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk: int = 2,
+              backend: str = "gloo", timeout: float = 300.0, hsdp_dp: int = 2,
+              log=None) -> list[dict]:
+    """Train `steps` steps of each jaxscale strategy in `modes` and of its PyTorch counterpart (one
+    torch job of `world` ranks serves every pair in turn); see the module docstring."""
+    import jax
+
+    from jaxscale.hf import params_to_hf
+    log = log or (lambda s: None)
+    if len(jax.devices()) < world:
+        raise ValueError(f"world={world} needs {world} JAX devices, {len(jax.devices())} present")
+    base_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=steps))
+    from jaxscale.plan import validate
+    for mode in modes:                 # every plan checked before any process starts
+        validate(pair_config(base_cfg, mode, world, hsdp_dp), world)
+    tmp = Path(tempfile.mkdtemp(prefix="jaxscale_matched_"))
+    data = global_batches(base_cfg, steps)
+    init = initial_params(base_cfg)
+    np.savez(tmp / "init.npz", **params_to_hf(init, base_cfg.model))
+    np.savez(tmp / "batches.npz", **data)
+    log(f"starting {world} torch ranks ({backend})")
+    job = TrainJob(world, backend, timeout)
+    try:
+        results = []
+        for k, mode in enumerate(modes):
+            results.append(_run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup,
+                                    chunk, hsdp_dp, wait_ready=(k == 0), log=log))
+    finally:
+        job.close()
+    return results
+
+
+def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, hsdp_dp,
+             wait_ready, log) -> dict:
+    import jax
+
+    from benchmarks.torch_llama import TorchLlamaConfig
+    from jaxscale.inspect import census, memory
+    from jaxscale.train.setup import build
+    from jaxscale.train.state import TrainState, state_bytes
+    cfg = pair_config(base_cfg, mode, world, hsdp_dp)
+    spec = {"mode": mode, "hsdp_dp": hsdp_dp, "total_steps": steps,
+            "model": TorchLlamaConfig.from_model_config(cfg.model).to_dict(),
+            "optim": dataclasses.asdict(cfg.optim),
+            "init": str(tmp / "init.npz"), "batches": str(tmp / "batches.npz")}
+    (tmp / f"spec_{mode}.json").write_text(json.dumps(spec))
+    log(f"[{mode}] compiling the jaxscale step; setting up {PAIRS[mode][0]}")
+    if wait_ready:
+        job.wait_ready()
+    job._send({"cmd": "setup", "spec": str(tmp / f"spec_{mode}.json")})   # torch builds meanwhile
+    setup = build(cfg, jax.devices()[:world], donate=True)
+    sh = setup.state_shardings          # the fp32 state of the jaxscale init, no init program
+    state = TrainState(step=jax.device_put(np.zeros((), np.int32), sh.step),
+                       params=jax.device_put(init, sh.params),
+                       opt_state=jax.device_put(setup.optimizer.init(init), sh.opt_state))
+    with jax.set_mesh(setup.plan.mesh):
+        compiled = setup.lower_train_step().compile()
+    shard = setup.batch_shardings()
+    job._expect("RESULT")
+    jax_metrics, torch_out = [], {"loss": [], "grad_norm": []}
+
+    def jax_chunk(start, n):
+        nonlocal state
+        t0 = time.perf_counter()
+        for i in range(start, start + n):
+            batch = {k: jax.make_array_from_process_local_data(shard[k], data[k][i]) for k in shard}
+            state, m = compiled(state, batch)
+            jax_metrics.append(m)
+        jax.block_until_ready(state)
+        return time.perf_counter() - t0
+
+    def torch_chunk(start, n):
+        r = job.request(cmd="steps", start=start, n=n)
+        torch_out["loss"] += r["loss"]
+        torch_out["grad_norm"] += r["grad_norm"]
+        return r["time"]
+
+    warm = min(warmup, steps - 1)
+    jax_chunk(0, warm)
+    torch_chunk(0, warm)
+    times = {jax_chunk: 0.0, torch_chunk: 0.0}
+    k, i = 0, warm
+    while i < steps:        # alternate, order reversed every chunk
+        n = min(chunk, steps - i)
+        for side in ((jax_chunk, torch_chunk) if k % 2 == 0 else (torch_chunk, jax_chunk)):
+            times[side] += side(i, n)
+        i, k = i + n, k + 1
+    stats = job.request(cmd="stats")
+    mets = jax.device_get(jax_metrics)
+    timed, tokens = steps - warm, cfg.data.batch_size * cfg.data.seq_len
+    jmem = memory(compiled)
+    sb = state_bytes(setup.abstract_state())
+    jl, tl = [float(m["loss"]) for m in mets], torch_out["loss"]
+    res = {
+        "pair": mode, "torch_name": PAIRS[mode][0], "jax_name": PAIRS[mode][1], "world": world,
+        "backend": job.backend, "steps": steps, "timed_steps": timed, "tokens_per_step": tokens,
+        "mesh": dict(zip(setup.plan.mesh.axis_names, map(int, setup.plan.mesh.devices.shape))),
+        "jax": {"step_time_s": times[jax_chunk] / timed,
+                "tokens_per_s": tokens * timed / times[jax_chunk],
+                "loss": jl, "grad_norm": [float(m["grad_norm"]) for m in mets],
+                "state_bytes_per_device": sum(sum(sb.get(p, {}).values())
+                                              for p in ("params", "opt_state")),
+                "peak_bytes_per_device": jmem["total"], "memory_analysis": jmem,
+                "census": census(compiled.as_text(), setup.plan.mesh)},
+        "torch": {"step_time_s": times[torch_chunk] / timed,
+                  "tokens_per_s": tokens * timed / times[torch_chunk],
+                  "loss": tl, "grad_norm": torch_out["grad_norm"],
+                  "state_bytes_per_rank": [s["params_bytes"] + s["opt_bytes"] for s in stats],
+                  "peak_bytes_per_rank": [s["peak_bytes"] for s in stats],
+                  "peak_kind": "cuda max_memory_allocated" if job.backend == "nccl" else
+                  "MemTracker peak tensor bytes", "collectives": stats[0]["collectives"],
+                  "ranks": stats},
+    }
+    res["ratio_tokens_per_s"] = res["jax"]["tokens_per_s"] / res["torch"]["tokens_per_s"]
+    res["loss_abs_diff"] = [abs(a - b) for a, b in zip(jl, tl)]
+    res["final_loss_abs_diff"] = res["loss_abs_diff"][-1]
+    log(f"[{mode}] done: JAX/torch tokens/s {res['ratio_tokens_per_s']:.2f}, "
+        f"final loss {jl[-1]:.5f} vs {tl[-1]:.5f}")
+    return res
+
+
+# ============================================================================ report
+def format_table(results: list[dict]) -> str:
+    head = (f"{'pair':<28}{'world':>6}{'tok/s JAX':>11}{'tok/s torch':>12}{'JAX/torch':>10}"
+            f"{'state MiB/rank':>17}{'peak MiB/rank':>16}{'loss@N JAX':>12}{'torch':>10}"
+            f"{'max|dloss|':>12}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        j, t = r["jax"], r["torch"]
+        lines.append(
+            f"{r['jax_name'] + ' vs ' + r['torch_name']:<28}{r['world']:>6}"
+            f"{j['tokens_per_s']:>11,.0f}{t['tokens_per_s']:>12,.0f}{r['ratio_tokens_per_s']:>10.2f}"
+            f"{j['state_bytes_per_device'] / MiB:>8.2f} |{max(t['state_bytes_per_rank']) / MiB:>6.2f}"
+            f"{j['peak_bytes_per_device'] / MiB:>8.1f} |{max(t['peak_bytes_per_rank']) / MiB:>6.1f}"
+            f"{j['loss'][-1]:>12.5f}{t['loss'][-1]:>10.5f}{max(r['loss_abs_diff']):>12.2e}")
+    lines.append("state: params + Adam moments per rank (JAX | torch); peak: JAX compiled "
+                 "memory_analysis per device | torch " + (results[0]["torch"]["peak_kind"]
+                                                          if results else ""))
+    return "\n".join(lines)
+
+
+def format_collectives(results: list[dict]) -> str:
+    """Collectives per step: the jaxscale census (kind[axes] x count, bytes per device) beside the
+    torch ops one step issued (torch's CommDebugMode, counted on rank 0; the gradient-norm
+    all-reduce of sharded gradients and the loss/counter scalars included on both sides)."""
+    lines = [f"{'pair':<8}{'jaxscale (XLA census)':<60}torch (CommDebugMode)"]
+    for r in results:
+        jax_c = [f"{c['kind']}[{','.join(c['axes'])}] x{c['count']} {c['bytes'] / MiB:.2f}MiB"
+                 for c in r["jax"]["census"]] or ["(none)"]
+        torch_c = [f"{k.split('.')[-1].rstrip('_')} x{v}" for k, v in
+                   sorted(r["torch"]["collectives"].items())] or ["(none)"]
+        for i in range(max(len(jax_c), len(torch_c))):
+            lines.append(f"{r['pair'] if i == 0 else '':<8}"
+                         f"{jax_c[i] if i < len(jax_c) else '':<60}"
+                         f"{torch_c[i] if i < len(torch_c) else ''}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c, r in enumerate(results):
+        steps = range(1, len(r["jax"]["loss"]) + 1)
+        ax0.plot(steps, r["jax"]["loss"], "-", color=f"C{c}", label=r["jax_name"])
+        ax0.plot(steps, r["torch"]["loss"], "--", color=f"C{c}", label=r["torch_name"])
+    ax0.set(xlabel="step", ylabel="train loss (nats/token)", title="same init, data, optimizer")
+    ax0.legend(fontsize=7)
+    names = [r["pair"] for r in results]
+    ax1.bar(names, [r["ratio_tokens_per_s"] for r in results], color=[f"C{c}" for c in
+                                                                       range(len(results))])
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set(ylabel="tokens/s JAX / torch", title=f"throughput ratio ({results[0]['backend']}, "
+            f"world {results[0]['world']})" if results else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def base_config(args):
+    import models
+    from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
+    model = dataclasses.replace(models.get(args.model), n_layers=args.layers)
+    cfg = Config(name="matched_training", model=model,
+                 data=DataConfig(seq_len=args.seq, batch_size=args.batch, max_bytes=2_000_000),
+                 optim=OptimConfig(lr=args.lr, warmup_steps=max(1, args.steps // 10)),
+                 train=TrainConfig(steps=args.steps, eval_every=0))
+    return apply_overrides(cfg, args.set)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", default="dp,fsdp,tp", help=f"comma-separated of {', '.join(PAIRS)}")
+    p.add_argument("--world", type=int, default=8, help="ranks = JAX devices per pair")
+    p.add_argument("--tp-world", type=int, default=0, help="world of the tp pair (0: --world)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=2)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="global batch in sequences")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--set", action="append", default=[], help="config override a.b=c")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--out", default="runs/matched_training")
+    args = p.parse_args(argv)
+    pairs = [s.strip() for s in args.pairs.split(",") if s.strip()]
+    bad = [s for s in pairs if s not in PAIRS]
+    if bad:
+        p.error(f"unknown pair(s) {bad}; valid: {', '.join(PAIRS)}")
+    from jaxscale.bench.collectives import ensure_host_devices
+    ensure_host_devices(max(8, args.world, args.tp_world))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave GPU memory to torch
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    backend = args.backend if args.backend != "auto" else (
+        "nccl" if jax.default_backend() == "gpu" else "gloo")
+    cfg = base_config(args)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    worlds = {m: (args.tp_world or args.world) if m == "tp" else args.world for m in pairs}
+    results = []
+    try:
+        for world in dict.fromkeys(worlds.values()):
+            results += run_pairs([m for m in pairs if worlds[m] == world], cfg, world, args.steps,
+                                 warmup=args.warmup, chunk=args.chunk, backend=backend,
+                                 timeout=args.timeout, log=log)
+    except TorchFailure as e:
+        print(f"the torch side failed: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv[1:] if argv is None else argv, "jax_backend": jax.default_backend(),
+            "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
+            "optim": dataclasses.asdict(cfg.optim), "cpu_count": os.cpu_count()}
+    (out / "matched_training.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                          indent=2, default=str))
+    plot(results, out / "matched_training.png")
+    print(format_table(results))
+    print()
+    print(format_collectives(results))
+    print(f"\nwrote {out / 'matched_training.json'} and {out / 'matched_training.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
