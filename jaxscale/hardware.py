@@ -14,6 +14,9 @@ Fields the planner adds (defaults keep the older profiles' meaning):
 - `host_bytes`: host DRAM per device for offloaded state (a DGX node: 2 TB for 8 GPUs); on `cpu`,
   the machine's physical memory, which the simulated devices share.
 - `devices_per_node`: devices behind one fast interconnect (NVLink domain).
+- `native_16bit`: whether the backend computes and communicates in bf16/fp16. XLA:CPU does not:
+  it normalises 16-bit arithmetic to f32 and promotes 16-bit collectives to f32, so activations,
+  temporaries and collectives are f32-sized there (measured with `jaxscale inspect`).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Hardware:
     matmul_efficiency: float = 1.0
     host_bytes: float = 256e9
     devices_per_node: int = 8
+    native_16bit: bool = True
 
     def collective_bw(self, cross_node: bool) -> float:
         """Bus bandwidth per device for a collective inside a node or across nodes."""
@@ -60,7 +64,7 @@ def _cpu() -> Hardware:
     # 2.5 GHz x 32 fp32 FLOP/cycle (two AVX2 FMA units) per core: an upper bound, not a measurement.
     peak = (os.cpu_count() or 1) * 2.5e9 * 32
     return Hardware("cpu", peak, peak, 24e9, 20e9, 10e9, 10e9, 1e-6, 1e-6, 20e9,
-                    host_bytes=_host_memory(), devices_per_node=1 << 16)
+                    host_bytes=_host_memory(), devices_per_node=1 << 16, native_16bit=False)
 
 
 HARDWARE: dict[str, Hardware] = {

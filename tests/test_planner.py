@@ -135,7 +135,8 @@ def test_remat_policies_order_activation_memory():
     assert sizes["full"] < sizes["save_attention_out"] < sizes["save_dots"] < sizes["none"]
     assert sizes["full"] == 1024 * m.dim * 2                    # the layer input only
     off = activations.layer_activations(m, 256, 1024, 2, activations.Split(), "offload")
-    assert off.saved == sizes["full"] and off.host == sizes["save_dots"] - sizes["full"]
+    attn_out = 1024 * m.n_heads * m.hd * 2
+    assert off.saved == sizes["full"] and off.host == sizes["save_dots"] - sizes["full"] + attn_out
     with pytest.raises(ValueError, match="TAG:save"):
         activations.parse_policy("attn_out:keep")
 
@@ -149,13 +150,17 @@ def test_plan_knobs_move_the_numbers_the_right_way():
     base = planner.predict_spec(_spec())
     full = planner.predict_spec(_spec(remat="full"))
     assert full.memory.activations < base.memory.activations
-    assert full.flops.per_device == pytest.approx(base.flops.per_device * 4 / 3, rel=0.05)
+    # a full replay of the forward would be 4/3; XLA never replays the MLP-down projection
+    assert base.flops.per_device * 1.15 < full.flops.per_device < base.flops.per_device * 4 / 3
     zs = [planner.predict_spec(_spec(zero=z)).memory for z in (0, 1, 2, 3)]
     states = [z.params + z.grads + z.optimizer for z in zs]
     assert states[0] > states[1] > states[2] > states[3]
-    bf16 = planner.predict_spec(_spec(precision="bf16"))
     grad = lambda p: sum(c.bytes for c in p.collectives if c.axes == ("dp",) and c.bytes > 4)
-    assert grad(bf16) == pytest.approx(grad(base) / 2, rel=0.01)   # gradient bytes halve in bf16
+    gpu32 = planner.predict_spec(_spec(device_kind="h100"))
+    gpu16 = planner.predict_spec(_spec(device_kind="h100", precision="bf16"))
+    assert grad(gpu16) == pytest.approx(grad(gpu32) / 2, rel=0.01)   # gradient bytes halve
+    # ... except on XLA:CPU, which moves 16-bit floats as f32 (measured: validation table)
+    assert grad(planner.predict_spec(_spec(precision="bf16"))) == grad(base)
     acc = planner.predict_spec(_spec(accumulate=1).with_(batch=64))
     acc4 = planner.predict_spec(_spec(accumulate=4).with_(batch=64))
     assert acc4.memory.activations == pytest.approx(acc.memory.activations / 4)

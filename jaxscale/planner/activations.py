@@ -38,8 +38,9 @@ every token-indexed tensor sp ways (the scores keep their full key length s).
 
 Remat policies (`plan.remat`, over the model's `checkpoint_name` tags `models.llama.TAGS`):
 `none` keeps the table; `full` keeps only the layer input; `save_dots` keeps the layer input and
-the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down); `save_attention_out` keeps
-the layer input and `attn_out`; `offload` moves the `save_dots` set to host memory; a custom
+the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down: JAX's
+`dots_with_no_batch_dims_saveable`); `save_attention_out` keeps the layer input and `attn_out`;
+`offload` moves those matmul outputs and `attn_out` to host memory; a custom
 `"name:save|remat|offload,..."` keeps / offloads the named tags. A rematerialised block holds one
 layer's full activations again while its backward runs (the recompute working set).
 """
@@ -57,6 +58,8 @@ _TAG_SIZES = {
     "mlp_down": (lambda m: m.dim, "res"),
 }
 SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+#: as `jaxscale.strategies.remat.OFFLOADED`
+OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
 
 
@@ -114,7 +117,7 @@ def parse_policy(remat: str) -> dict[str, str]:
     if remat == "save_attention_out":
         return {t: "save" if t == "attn_out" else "remat" for t in tags}
     if remat == "offload":
-        return {t: "offload" if t in SAVE_DOTS else "remat" for t in tags}
+        return {t: "offload" if t in OFFLOADED else "remat" for t in tags}
     out = {t: "remat" for t in tags}
     for item in remat.split(","):
         name, _, how = item.strip().partition(":")
@@ -154,9 +157,6 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
         elif how == "offload":
             host += nbytes
     kept = sum(saved.values())
-    # Recompute cost: full remat replays every matmul of the forward; keeping the matmul outputs
-    # (save_dots / offload) replays none; other policies replay the matmuls whose output they drop.
-    dots = {"q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down"}
-    dropped = [t for t in dots if policy[t] == "remat"]
-    frac = len(dropped) / len(dots)
-    return LayerActivations(kept, host, total - x, frac, saved)
+    dots = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+    frac = sum(policy[t] == "remat" for t in dots) / len(dots)
+    return LayerActivations(kept, host, total - kept, frac, saved)

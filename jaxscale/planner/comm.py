@@ -11,22 +11,28 @@ pipeline stage, k = micro-batches per step, Psi_x = parameter bytes gathered ove
   are reduced separately because the model keeps them as separate weights (a fused QKV / gate-up
   weight would make it Megatron's 2). Plus the vocabulary-parallel embedding (forward) and head
   input gradient (backward), and 3 fp32 [b, s] softmax statistics (max, sum, target logit).
-  A rematerialised forward repeats the forward all-reduces whose outputs it did not keep.
+  A rematerialised forward repeats the attention-output all-reduce unless it kept `o_proj` (the
+  MLP-down output only feeds the residual, so XLA never recomputes it).
   Megatron sequence parallelism turns each all-reduce into a reduce-scatter + all-gather pair.
 - FSDP / ZeRO-3 (arXiv 1910.02054): an all-gather of every parameter in the forward and of the
   layer parameters and final norm again in the backward (3 Psi with the gradient reduction). The
   embedding is not gathered again: its gradient is a scatter-add into the local shard. The LM
   head's backward gather is `optional`: XLA's CSE sometimes reuses the forward copy and sometimes
   does not (observed both ways on the same mesh at different batch sizes), so a comparison with
-  the compiler accepts either and says which it saw.
-- Gradient reduction, once per step: a matmul weight is reduce-scattered over `fsdp` at its
+  the compiler accepts either and says which it saw. With accumulation the layer gathers repeat
+  per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted out.
+- Gradient reduction, once per micro-batch (XLA reduces inside the accumulation loop): a matmul
+  weight is reduce-scattered over `fsdp` at its
   fsdp-gathered size, then all-reduced over the remaining data axes at its shard size (HSDP); a
   weight whose gradient is a reduction or a scatter-add (RMSNorm scales, the embedding) is
   all-reduced over all data axes at once at its gathered size (XLA reduces, then slices).
-  ZeRO-1/2 over `dp`: reduce-scatter of the gradients (each rank updates its optimizer shard)
-  and all-gather of the updated parameters (2 Psi, as DP). One 4-byte all-reduce of the token count (the loss denominator); the other
+  ZeRO over `dp` (`strategies/zero.py`): stage 1 all-reduces the gradients, updates its
+  optimizer shard and all-gathers the new parameters; stage 2 reduce-scatters instead (2 Psi,
+  as DP); stage 3 is FSDP over (dp, fsdp). ZeRO-2/3 nest dp inside fsdp's dimension, so their
+  gradients are reduced over (dp, fsdp) as one group. One 4-byte all-reduce of the token count (the loss denominator); the other
   scalar partial sums (loss, gradient norm) travel in tuples the census counts as 0 bytes.
 - XLA:CPU emits a reduce-scatter as all-reduce + slice (`cpu_kind`); GPUs emit reduce-scatter.
+  XLA:CPU also moves 16-bit floats as f32 (`Hardware.native_16bit`).
 - Context parallelism over `sp`: ring attention passes K/V blocks around the ring, (sp - 1)
   steps forward, twice that backward (K/V again and their gradients); DeepSpeed-Ulysses
   all-to-alls q, k, v and the output forward and backward (per-link volume 4Nh/P).
@@ -97,7 +103,7 @@ def _tensor(spec) -> list[Comm]:
     tokens = spec.micro_batch * spec.local_seq
     act = tokens * m.dim * spec.compute_itemsize
     policy = parse_policy(spec.remat)
-    redo = sum(policy[tag] == "remat" for tag in ("o_proj", "mlp_down"))
+    redo = 1 if policy["o_proj"] == "remat" else 0   # mlp_down's output is never needed again
     fwd, bwd = (2 + redo) * L * k, 5 * L * k
     stats = 3 * tokens * 4 * k
     if spec.megatron_sp:
@@ -129,36 +135,48 @@ def _fsdp(spec) -> list[Comm]:
     axes = _gather_axes(spec)
     if not axes:
         return []
-    k, pb, deg = max(1, spec.accumulate), spec.param_itemsize, spec.degrees
+    k, pb, deg = max(1, spec.accumulate), spec.wire_param_itemsize, spec.degrees
     n = _group(spec, axes)
-    fwd = bwd = head = 0.0
+    layer_f = layer_b = outer_f = outer_b = head = 0.0
     count_f = count_b = 0
     for leaf in params_lib.leaves(spec.model, spec.moe):
         size = leaf.local_size(deg, drop=("fsdp",)) * pb
         reps = spec.stage_layers if leaf.stacked else 1   # gathers issued
-        fwd += size
+        inner = leaf.path.startswith("layers/")
         count_f += int(reps)
-        if leaf.path == "head":
-            head = size
-        elif leaf.use != "embedding":
-            bwd += size
+        if inner:
+            layer_f += size
+            layer_b += size
             count_b += int(reps)
-    out = [Comm("all-gather", axes, fwd * k, count_f * k, "parameters, forward", group=n,
-                overlap=True),
-           Comm("all-gather", axes, bwd * k, count_b * k,
+        elif leaf.path == "head":
+            outer_f += size
+            head = size
+        else:
+            outer_f += size
+            if leaf.use != "embedding":
+                outer_b += size
+                count_b += 1
+    # Layer weights are gathered inside the layer loop, once per micro-batch; the others
+    # (embedding, final norm, head) are loop-invariant: with accumulation XLA hoists their
+    # gathers out of the micro-batch loop and the head's backward reuses the forward copy.
+    outer_k = 1 if k > 1 else k
+    out = [Comm("all-gather", axes, layer_f * k + outer_f * outer_k, count_f * k,
+                "parameters, forward", group=n, overlap=True),
+           Comm("all-gather", axes, layer_b * k + outer_b * outer_k, count_b * k,
                 "layer parameters and final norm, backward (the embedding is not regathered)",
                 group=n, overlap=True)]
-    if head:
-        out.append(Comm("all-gather", axes, head * k, k, "LM head, backward (XLA may reuse the "
+    if head and k == 1:
+        out.append(Comm("all-gather", axes, head, 1, "LM head, backward (XLA may reuse the "
                         "forward gather)", group=n, optional=True, overlap=True))
     return out
 
 
 def _gradients(spec) -> list[Comm]:
-    deg, pb = spec.degrees, spec.param_itemsize
+    deg, pb, k = spec.degrees, spec.wire_param_itemsize, max(1, spec.accumulate)
     data = [a for a in ("dp", "fsdp", "ep", "sp") if spec.deg(a) > 1]
     if not data:
         return []
+    zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.stage_layers
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     what: dict[tuple, list] = defaultdict(list)
@@ -171,24 +189,25 @@ def _gradients(spec) -> list[Comm]:
             what[key].append(text)
 
     for leaf in params_lib.leaves(spec.model, spec.moe):
-        reps = int(L) if leaf.stacked else 1
+        reps = (int(L) if leaf.stacked else 1) * k       # reduced once per micro-batch
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
-        gathered = leaf.local_size(deg, drop=("fsdp",)) * pb      # all layers when stacked
+        gathered = leaf.local_size(deg, drop=("fsdp",)) * pb * k   # all layers when stacked
         if leaf.use in ("norm", "embedding", "router"):
             add("all-reduce", replica, gathered, reps,
                 "gradients of norm scales and the embedding, over all data axes at once")
             continue
-        rest = list(replica)
-        size = gathered
-        if "fsdp" in rest:
+        rest, size = list(replica), gathered
+        if zero >= 2 and "dp" in rest:
+            group = [a for a in rest if a in ("dp", "fsdp")]
+            add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "
+                "(dp nested in fsdp's dimension: one reduction group)")
+            rest = [a for a in rest if a not in group]
+            size /= _group(spec, group)
+        elif "fsdp" in rest:
             add("reduce-scatter", ["fsdp"], size, reps, "matmul weight gradients")
             rest.remove("fsdp")
             size /= spec.deg("fsdp")
-        if spec.zero >= 1 and "dp" in rest:
-            add("reduce-scatter", ["dp"], size, reps, "gradients, ZeRO over dp")
-            rest.remove("dp")
-            size /= spec.deg("dp")
         if rest:
             add("all-reduce", rest, size, reps, "gradients over the replicas")
     out = []
@@ -196,10 +215,21 @@ def _gradients(spec) -> list[Comm]:
         out.append(Comm(kind, axes, nbytes, count, "; ".join(what[(kind, axes)]),
                         group=_group(spec, axes),
                         cpu_kind="all-reduce" if kind == "reduce-scatter" else "", overlap=True))
-    if spec.zero in (1, 2) and spec.deg("dp") > 1:
+    if zero in (1, 2):
         local = params_lib.shards(spec.model, deg, 0, spec.moe).params * pb
-        out.append(Comm("all-gather", ("dp",), local, 1, "updated parameters, ZeRO-1/2",
-                        group=spec.deg("dp"), overlap=True))
+        fsdp = spec.deg("fsdp") > 1
+        # ZeRO shards nest as ('dp', 'fsdp') on the fsdp dimension while fsdp-sharded values are
+        # fsdp-major: XLA re-lays the shards with a permute over (dp, fsdp) (half the devices
+        # swap), once at stage 2; at stage 1 the update and the non-finite select each run in
+        # the ZeRO layout, so the shard moves 4 times and the parameters are gathered twice.
+        gathers = 2 if (zero == 1 and fsdp) else 1
+        out.append(Comm("all-gather", ("dp",), gathers * local, gathers,
+                        "updated parameters, ZeRO-1/2", group=spec.deg("dp"), overlap=True))
+        if fsdp:
+            moves = 4 if zero == 1 else 1
+            out.append(Comm("collective-permute", ("dp", "fsdp"), moves * local / spec.deg("dp"),
+                            moves, "ZeRO shard re-layout between fsdp-major and ('dp', 'fsdp') "
+                            "order", group=2, overlap=True))
     scalar_axes = _axes(data)
     out.append(Comm("all-reduce", scalar_axes, 4, 1, "token count (the loss denominator)",
                     group=_group(spec, scalar_axes)))

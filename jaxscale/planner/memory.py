@@ -14,11 +14,16 @@ Activations: `activations.py` per layer x layers per pipeline stage x micro-batc
 
 Temporaries are the peak of two phases of the compiled step, as XLA schedules it:
 - backward: saved activations + the gradients of one layer's activations while its backward runs
-  (about one layer's activations again; a rematerialised layer also rebuilds its forward) +
+  (about one layer's activations again; a rematerialised layer adds half of its rebuilt
+  forward, what is live of it while its backward runs) +
   the local gradient buffer + fp32 logits and their gradient + with FSDP one gathered layer of
   weights and that layer's unreduced gradient + with accumulation a gradient accumulator;
-- update: the gradients + a copy of the optimizer moments (XLA keeps the old moments for the
-  donated, skip-on-non-finite update; read from the buffer assignment of `jaxscale inspect`).
+- update: the gradients + a copy of the fp32 optimizer state, moments and master weights (XLA
+  keeps the old values for the donated, skip-on-non-finite update; read from the buffer
+  assignment of `jaxscale inspect`; offloaded state is brought to the device for it) + with
+  ZeRO-1 the all-reduced copy of the gradients + with accumulation the fp32 accumulator.
+On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
+(`Hardware.native_16bit`).
 The constants were read from XLA:CPU buffer assignments (jax 0.10); `docs/planner.md` gives the
 predicted-vs-compiled table (temp within 15% on every cpu8 plan).
 
@@ -98,6 +103,13 @@ def layer_acts(spec) -> LayerActivations:
                              spec.moe.top_k if spec.moe else 0)
 
 
+def optimizer_copy(spec, sh) -> float:
+    """Bytes of the fp32 optimizer state (moments, master weights) XLA keeps a copy of during
+    the donated update; offloaded state is brought to the device for it too."""
+    moment_bytes = 4 if spec.mixed else spec.param_itemsize
+    return sh.optimizer * (2 * moment_bytes + (4 if spec.mixed else 0))
+
+
 def estimate(spec) -> Memory:
     m = spec.model
     degrees = dict(spec.degrees)
@@ -118,18 +130,21 @@ def estimate(spec) -> Memory:
     acts = la.saved * stage_layers * flight
 
     # ---- temporaries: the larger of the backward and the update phase
-    local_grads = sh.params * (spec.deg("dp") if spec.zero >= 3 else 1) * pb   # before ZeRO-dp
+    gb = spec.wire_param_itemsize                       # gradients as the backend holds them
+    local_grads = sh.params * gb      # the stacked gradient buffer (sharded like the params)
     full = layer_activations(m, spec.seq, tokens, spec.compute_itemsize,
                              Split(spec.deg("tp"), spec.deg("sp"), spec.megatron_sp), "none",
                              spec.attention, spec.moe.top_k if spec.moe else 0)
-    working = full.saved + la.working      # activation gradients (+ the rebuilt forward)
+    # the gradients of one layer's activations, plus half of a rebuilt (rematerialised) forward
+    working = full.saved + 0.5 * la.working
     logits = 2 * tokens * m.vocab_size / spec.deg("tp") * 4
     gathered = 0.0
     if spec.deg("fsdp") > 1 or (spec.zero >= 3 and spec.deg("dp") > 1):
-        gathered = 2 * sh.gathered_layer * pb     # one layer's weights + its unreduced gradient
-    accumulator = local_grads if spec.accumulate > 1 else 0.0
+        gathered = 2 * sh.gathered_layer * gb     # one layer's weights + its unreduced gradient
+    accumulator = sh.params * 4 if spec.accumulate > 1 else 0.0      # fp32
+    reduced_copy = local_grads if (spec.zero == 1 and spec.deg("dp") > 1) else 0.0
     backward = local_grads + acts + working + logits + gathered + accumulator
-    update = local_grads + (0.0 if "optimizer" in off else optimizer)
+    update = local_grads + accumulator + reduced_copy + optimizer_copy(spec, sh)
     temp = max(backward, update)
     temporaries = temp - grads - acts
 
@@ -144,8 +159,10 @@ def estimate(spec) -> Memory:
         host["activations"] = la.host * stage_layers * flight
 
     state = params + master + optimizer + counters
+    host_state = sum(v for k, v in host.items() if k != "activations")
     xla = {"argument": state + batch, "output": state + 5 * 4,
-           "temp": temp, "alias": state if spec.donate else 0.0}
+           "temp": temp, "alias": state if spec.donate else 0.0,
+           "host_argument": host_state, "host_output": host_state}
     xla["total"] = xla["argument"] + xla["output"] + xla["temp"] - xla["alias"]
     return Memory(params=params, master=master, grads=grads, optimizer=optimizer,
                   activations=acts, temporaries=temporaries, batch=batch + counters, host=host,

@@ -5,8 +5,8 @@ FLOPs (matmuls; 2 per multiply-add). Per token and layer, forward: 2 h (H + 2K) 
 and the attention core QK^T and PV, 4 s H hd: the `xla` attention computes the masked half too,
 a fused kernel skips it (causal: half) and its backward recomputes QK^T (2.5x its forward,
 FlashAttention-2). Plus the LM head 2 h V. Backward = 2 x forward. A remat
-policy replays the forward matmuls whose outputs it did not keep (`full`: the whole forward,
-4/3 of the no-remat total; any policy that drops the scores recomputes QK^T). Per device: the
+policy replays the forward matmuls whose outputs it did not keep and the backward needs
+(`recompute_per_token`; `full` replays all but the MLP-down projection). Per device: the
 local tokens (batch / (dp fsdp ep), sequence / sp) times the per-token FLOPs / tp, the layers
 / pp. Model FLOPs for MFU are the literature's 6 Psi + 12 L h s per token, attention halved
 when causal (`ModelConfig.flops_per_token`), MoE with active parameters.
@@ -26,6 +26,8 @@ Step time (stated assumptions):
 - pipeline bubble on top of the ideal time: (p - 1) / m (GPipe, 1F1B), (p - 1) / (v m)
   (interleaved), a third of 1F1B's for ZB-H1 (arXiv 2401.10241 with T_F = T_B = T_W);
 - host offload transfers (PCIe) are not overlapped.
+MFU = model FLOPs / (step time x dense bf16 peak), the literature's convention whatever the
+precision. The result is a roofline-style bound that ranks plans; measured MFU lands below it.
 """
 from __future__ import annotations
 
@@ -51,15 +53,17 @@ def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, moe=None) ->
 
 
 def recompute_per_token(parts: dict, remat: str) -> float:
-    """Forward FLOPs a remat policy replays in the backward, per token and layer."""
+    """Forward FLOPs a remat policy replays in the backward, per token and layer.
+
+    Replayed: the q, k, v, gate and up projections whose tags are not kept; the attention-output
+    projection unless `o_proj` is kept (its output rebuilds the residual the MLP norm needs);
+    QK^T always (no policy keeps the probabilities) and PV unless `attn_out` is kept. Never the
+    MLP-down projection: its output only feeds the residual, so XLA drops its replay."""
     if remat in ("none", ""):
         return 0.0
-    if remat == "full":
-        return sum(parts.values())
     policy = parse_policy(remat)
-    replay = sum(v for k, v in parts.items() if k != "attention" and policy.get(k) == "remat")
-    # the probabilities are never kept under a policy: QK^T is recomputed, PV too unless the
-    # attention output is kept
+    replay = sum(parts[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up")
+                 if policy[t] == "remat")
     core = parts["attention"]
     return replay + (core / 2 if policy["attn_out"] in ("save", "offload") else core)
 
@@ -136,7 +140,8 @@ def bubble_fraction(spec) -> float:
 
 def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
     hw = spec.hardware
-    peak = hw.peak_fp32 if spec.compute_itemsize == 4 else hw.peak_bf16
+    fp32 = spec.precision == "fp32" and spec.model.dtype == "float32"
+    peak = hw.peak_fp32 if fp32 else hw.peak_bf16
     if spec.device_kind == "cpu":
         peak /= spec.n_devices            # simulated devices share the host's cores
     matmul = fl.per_device / (peak * hw.matmul_efficiency)
@@ -158,7 +163,8 @@ def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
         host += nbytes * (2 * k if what in ("params", "activations") else 2)
     offload = host / hw.host_bw
     total = compute + critical + exposed + bubble + offload
-    mfu = fl.model_per_device / (total * peak) if total else 0.0
+    mfu_peak = hw.peak_bf16 / (spec.n_devices if spec.device_kind == "cpu" else 1)
+    mfu = fl.model_per_device / (total * mfu_peak) if total else 0.0
     return StepTime(compute, matmul, memory_bound, critical, overlapped, exposed, bubble, offload,
                     total, mfu, spec.batch * spec.seq / total if total else 0.0,
                     [{"kind": c.kind, "axes": list(c.axes), "seconds": t} for c, t in times])

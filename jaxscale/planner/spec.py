@@ -103,7 +103,16 @@ class Spec:
 
     @property
     def compute_itemsize(self) -> int:
-        return PRECISIONS.get(self.precision) or _itemsize(self.model.dtype)
+        """Bytes of an activation element as the backend holds it (XLA:CPU computes 16-bit
+        floats in f32: `Hardware.native_16bit`)."""
+        size = PRECISIONS.get(self.precision) or _itemsize(self.model.dtype)
+        return size if self.hardware.native_16bit else max(size, 4)
+
+    @property
+    def wire_param_itemsize(self) -> int:
+        """Bytes per parameter or gradient element in a collective (f32 on XLA:CPU)."""
+        size = self.param_itemsize
+        return size if self.hardware.native_16bit else max(size, 4)
 
     @property
     def param_itemsize(self) -> int:

@@ -8,6 +8,8 @@ Rows compared (ratios are predicted / compiled):
   collective marked `optional` (XLA may merge it with an identical earlier one) is counted when
   that brings the row closer to the census, and the row says so;
 - FLOPs: matmul FLOPs per device against the HLO's dot FLOPs (loop trip counts included).
+On XLA:CPU `memory_analysis` counts host-offloaded (`pinned_host`) state as arguments, so the
+comparison adds the planner's host-resident state to its argument + output bytes.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def compare(pred, report: dict, backend: str = "cpu") -> dict:
     mem, xla = report["memory"], pred.memory.xla
     ao_c = mem["argument"] + mem["output"]
     ao_p = xla["argument"] + xla["output"]
+    if backend == "cpu":    # XLA:CPU reports pinned_host buffers as arguments: all memory is host
+        ao_p += xla.get("host_argument", 0.0) + xla.get("host_output", 0.0)
     rows = [{"what": "argument+output", "predicted": ao_p, "compiled": ao_c, "ratio": ao_p / ao_c},
             {"what": "temp", "predicted": xla["temp"], "compiled": mem["temp"],
              "ratio": xla["temp"] / mem["temp"] if mem["temp"] else None},

@@ -1,0 +1,135 @@
+"""Predicted vs compiled: the planner against `jaxscale inspect` for every plan jaxscale trains.
+
+    python experiments/planner_validation.py                 # table, runs/planner_validation/
+    python experiments/planner_validation.py --update-docs   # also rewrite docs/planner.md's table
+    python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
+
+Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `tests/helpers.py`
+`tiny_config`) or the small one on the 8 simulated CPU devices, and compares, per device:
+argument+output bytes (tolerance 5%), temp bytes (15%), every (collective kind, mesh axes) of the
+census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and the LM head's optional
+backward all-gather are handled by `jaxscale.planner.validate`, and each row says so), and
+matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in CASES.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from jaxscale import inspect, planner  # noqa: E402
+from jaxscale.planner import validate  # noqa: E402
+from tests.helpers import PLANS, tiny_config  # noqa: E402
+
+SMALL = ("model.dim=256", "model.ffn_dim=768", "model.n_layers=4", "data.seq_len=64",
+         "data.batch_size=16")
+#: name -> overrides on top of tiny_config(); extend as strategies land.
+CASES: dict[str, tuple[str, ...]] = {
+    **PLANS,
+    **{f"{name}/small": (*ov, *SMALL) for name, ov in PLANS.items()},
+    "dp8 zero1": (*PLANS["dp8"], "plan.zero=1"),
+    "dp8 zero2": (*PLANS["dp8"], "plan.zero=2"),
+    "dp8 zero3": (*PLANS["dp8"], "plan.zero=3"),
+    "dp2xfsdp2xtp2 zero1": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=1"),
+    "dp2xfsdp2xtp2 zero2": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=2"),
+    "dp2xfsdp2xtp2 zero3": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=3"),
+    "dp8 bf16": (*PLANS["dp8"], "plan.precision=bf16"),
+    "fsdp8 bf16": (*PLANS["fsdp8"], "plan.precision=bf16"),
+    "tp8 bf16": (*PLANS["tp8"], "plan.precision=bf16"),
+    "dp8 remat=full": (*PLANS["dp8"], "plan.remat=full"),
+    "dp8 remat=save_dots": (*PLANS["dp8"], "plan.remat=save_dots"),
+    "dp8 remat=save_attention_out": (*PLANS["dp8"], "plan.remat=save_attention_out"),
+    "dp8 remat=offload": (*PLANS["dp8"], "plan.remat=offload"),
+    "tp8 remat=full": (*PLANS["tp8"], "plan.remat=full"),
+    "dp8 acc2": (*PLANS["dp8"], "plan.accumulate=2", "data.batch_size=16"),
+    "fsdp8 acc2": (*PLANS["fsdp8"], "plan.accumulate=2", "data.batch_size=16"),
+    "dp8 offload=optimizer": (*PLANS["dp8"], "plan.offload=optimizer"),
+}
+
+
+def run(name: str) -> dict:
+    cfg = tiny_config(*CASES[name])
+    t0 = time.perf_counter()
+    rep = inspect.report(cfg)
+    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    cmp["case"], cmp["compile_s"] = name, time.perf_counter() - t0
+    return cmp
+
+
+def markdown(results: list[dict]) -> str:
+    head = ("| plan | arg+out | temp (predicted / compiled) | collectives: worst row | FLOPs | ok |\n"
+            "|---|---|---|---|---|---|")
+    rows = [head]
+    for r in results:
+        m = {x["what"]: x for x in r["memory"]}
+        t = m["temp"]
+        worst = max(r["collectives"], key=lambda c: abs((c["ratio"] or 0) - 1), default=None)
+        wc = (f"{worst['kind']} {','.join(worst['axes'])} {worst['ratio']:.4f}"
+              if worst and worst["ratio"] is not None else ("none" if not worst else "missing"))
+        rows.append(f"| {r['case']} | {m['argument+output']['ratio']:.4f} | {t['ratio']:.3f} "
+                    f"({t['predicted'] / 2**20:.2f} / {t['compiled'] / 2**20:.2f} MiB) | {wc} | "
+                    f"{m['flops']['ratio']:.4f} | {'yes' if r['ok'] else '**no**'} |")
+    return "\n".join(rows)
+
+
+def summary(results: list[dict]) -> str:
+    def worst(what):
+        vals = [x["ratio"] for r in results for x in r["memory"] if x["what"] == what]
+        return max(vals, key=lambda v: abs(v - 1))
+    comm = [c["ratio"] for r in results for c in r["collectives"] if c["ratio"] is not None]
+    wc = max(comm, key=lambda v: abs(v - 1)) if comm else 1.0
+    return (f"Worst predicted/compiled over {len(results)} plans: argument+output "
+            f"{worst('argument+output'):.4f}, temp {worst('temp'):.3f}, collective bytes "
+            f"{wc:.4f}, FLOPs {worst('flops'):.4f}; {sum(r['ok'] for r in results)} of "
+            f"{len(results)} inside every tolerance.")
+
+
+def update_docs(table: str, path: Path) -> None:
+    text = path.read_text()
+    begin, end = "<!-- validation:begin -->", "<!-- validation:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} lacks the {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run the cases whose name contains this")
+    ap.add_argument("--update-docs", action="store_true", help="rewrite docs/planner.md's table")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "planner_validation"))
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every row of every case")
+    args = ap.parse_args(argv)
+    names = [n for n in CASES if not args.only or args.only in n]
+    results = []
+    for name in names:
+        r = run(name)
+        results.append(r)
+        print(validate.format_comparison(r) if args.verbose or not r["ok"] else
+              f"{name}: ok ({r['compile_s']:.1f} s)", flush=True)
+    table = markdown(results) + "\n\n" + summary(results)
+    print("\n" + table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    if args.update_docs:
+        update_docs(table, ROOT / "docs" / "planner.md")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
