@@ -72,6 +72,22 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from jaxscale import profile
+    cfg = _load(args)
+    res = profile.profile(cfg, steps=args.steps, out=args.out)
+    print(profile.format_table(res))
+    print(f"trace, memory.prof, live_arrays.jsonl, memory_timeline.png in {res['out']}")
+    return 1 if res["leak"] else 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "collectives":
+        from jaxscale.bench import collectives
+        return collectives.main(args.rest)
+    raise ValueError(f"unknown benchmark {args.what!r}; valid: collectives")
+
+
 def cmd_plan(args) -> int:
     from jaxscale.planner.cli import run
     return run(args)
@@ -104,6 +120,15 @@ def parser() -> argparse.ArgumentParser:
                         "of a plan without compiling; --search ranks every plan that fits")
     plan_arguments(pl)
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("profile", help="trace steps; device memory profile; leak check")
+    common(pr)
+    pr.add_argument("--steps", type=int, default=6, help="steps to run (first 2 are warm-up)")
+    pr.add_argument("--out", help="output directory (default runs/<name>_profile)")
+    pr.set_defaults(func=cmd_profile)
+    be = sub.add_parser("bench", help="benchmarks: collectives (nccl-tests style, JAX vs torch)")
+    be.add_argument("what", help="collectives")
+    be.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
+    be.set_defaults(func=cmd_bench)
     la = sub.add_parser("launch", help="run a command in several local processes "
                         "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")
     la.add_argument("--processes", type=int, default=2, help="number of processes (default 2)")

@@ -61,6 +61,10 @@ def validate(cfg, n_devices: int) -> MeshConfig:
         cfg.model.validate()
     except ValueError as e:
         errs.append(str(e))
+    from jaxscale.attention import IMPLEMENTATIONS
+    if cfg.model.attention not in IMPLEMENTATIONS + ("auto",):
+        errs.append(f"model.attention={cfg.model.attention!r} is unknown; valid: "
+                    f"{', '.join(IMPLEMENTATIONS + ('auto',))}")
     if mesh_cfg.tp > 1:
         errs += tp.validate(cfg.model, mesh_cfg.tp)
     if mesh_cfg.fsdp > 1 and cfg.model.dim % mesh_cfg.fsdp:
@@ -123,9 +127,12 @@ def theory(cfg, plan: Plan, model) -> list:
     """The plan's communication per device per step, from the strategies' formulas."""
     import math as _m
     from jax.tree_util import tree_leaves
+    from jaxscale.strategies import precision, zero
+    from jaxscale.strategies.common import dtype_bytes
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     specs = tree_leaves(model.param_specs(plan), is_leaf=lambda x: isinstance(x, P))
     shapes = tree_leaves(model.abstract_params)
+    emb = model.abstract_params["embed"]
 
     def elems(drop: set[str], only=None) -> float:   # per-device elements, `drop` axes gathered
         tot = 0.0
@@ -136,9 +143,19 @@ def theory(cfg, plan: Plan, model) -> list:
                                                            else entry) if a not in drop]
             tot += _m.prod(s.shape) / _m.prod(sizes[a] for a in axes)
         return tot
+    pol = precision.policy(cfg.plan)
+    k = cfg.plan.accumulate
+    pb = dtype_bytes(pol.param_dtype)
+    gb = 4 if k > 1 else pb                  # micro-batch gradients accumulate in fp32
+    mc = plan.mesh_cfg
     out = []
-    out += dp.theory(cfg, plan.mesh_cfg, elems(set()))
-    emb = model.abstract_params["embed"]
-    out += fsdp.theory(cfg, plan.mesh_cfg, elems({"fsdp"}), elems({"fsdp"}, only=emb))
-    out += tp.theory(cfg, plan.mesh_cfg, cfg.data.batch_size // plan.data_degree)
+    if cfg.plan.zero:
+        out += zero.theory(cfg.plan.zero, mc, elems(set()) * pb, elems(set(), emb) * pb,
+                           elems(set()) * gb, k)
+    else:
+        out += dp.theory(mc, elems(set()) * gb)
+    out += fsdp.theory(mc, elems({"fsdp"}) * pb, elems({"fsdp"}, emb) * pb,
+                       elems({"fsdp"}) * gb, k)
+    out += tp.theory(cfg, mc, cfg.data.batch_size // plan.data_degree,
+                     dtype_bytes(pol.compute_dtype), cfg.plan.remat == "full")
     return out

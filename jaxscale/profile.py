@@ -24,24 +24,25 @@ from __future__ import annotations
 
 import gc
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 import jax
 
 
-def live_arrays() -> tuple[int, int, dict]:
-    """(count, bytes over all shards, {id: (shape, dtype)}) of the arrays alive now."""
+def live_arrays() -> tuple[int, int, Counter]:
+    """(count, bytes over all shards, Counter of "shape:dtype") of the arrays alive now."""
     arrs = jax.live_arrays()
     total = 0
-    ids = {}
+    kinds: Counter = Counter()
     for a in arrs:
         try:
             total += sum(s.data.nbytes for s in a.addressable_shards)
         except Exception:   # deleted (donated) between listing and reading
             continue
-        ids[id(a)] = (tuple(a.shape), str(a.dtype))
-    return len(arrs), total, ids
+        kinds[f"{tuple(a.shape)}:{a.dtype}"] += 1
+    return len(arrs), total, kinds
 
 
 def find_leak(rows: list[dict], warmup: int) -> dict | None:
@@ -82,11 +83,10 @@ def profile(cfg, steps: int = 6, out: Path | None = None, warmup: int = 2,
             hook(step, state, metrics)
         del metrics
         gc.collect()
-        n, b, ids = live_arrays()
-        new = [ids[i] for i in ids.keys() - (seen or {}).keys()] if seen is not None else []
-        seen = ids
-        row = {"step": step, "live_arrays": n, "live_bytes": b,
-               "new_arrays": [f"{s}:{d}" for s, d in new[:8]]}
+        n, b, kinds = live_arrays()
+        new = sorted((kinds - seen).elements()) if seen is not None else []
+        seen = kinds
+        row = {"step": step, "live_arrays": n, "live_bytes": b, "new_arrays": new[:8]}
         stats = jax.devices()[0].memory_stats()
         if stats:
             row.update({k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats})

@@ -51,7 +51,7 @@ class ModelConfig:
     scan_layers: bool = True
     dtype: str = "float32"            # compute dtype
     param_dtype: str = "float32"
-    attention: str = "xla"            # see jaxscale.attention.IMPLEMENTATIONS
+    attention: str = "auto"           # xla | blockwise | pallas | cudnn | auto (jaxscale.attention)
     init_std: float = 0.02
 
     @property

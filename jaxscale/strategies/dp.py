@@ -7,7 +7,7 @@ gradient bytes on the wire per device. Memory: every replica holds the whole mod
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Collective, dtype_bytes
+from jaxscale.strategies.common import Collective
 
 AXIS = "dp"
 DATA_AXIS = True
@@ -17,8 +17,8 @@ def rules(rules) -> None:
     """DP adds no parameter rule: the batch rule is composed from all data axes in plan.py."""
 
 
-def theory(cfg, mesh_cfg, local_param_elems: float) -> list[Collective]:
+def theory(mesh_cfg, grad_bytes: float) -> list[Collective]:
+    """`grad_bytes`: the per-device gradient (as sharded by the other strategies)."""
     if mesh_cfg.dp == 1:
         return []
-    b = local_param_elems * dtype_bytes(cfg.model.param_dtype)
-    return [Collective("all-reduce", ("dp",), b, what="gradients")]
+    return [Collective("all-reduce", ("dp",), grad_bytes, what="gradients")]

@@ -9,7 +9,7 @@ backward where XLA does not keep the gathered copy, and a reduce-scatter of the 
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Collective, dtype_bytes
+from jaxscale.strategies.common import Collective
 
 AXIS = "fsdp"
 DATA_AXIS = True
@@ -19,15 +19,15 @@ def rules(rules) -> None:
     rules.add("embed", "fsdp", by="fsdp")
 
 
-def theory(cfg, mesh_cfg, gathered_param_elems: float, embedding_elems: float) -> list[Collective]:
-    """`gathered_param_elems`: parameter elements per device once gathered over fsdp;
-    `embedding_elems`: the (gathered) embedding table's share, which the backward does not
-    gather again (its gradient is a scatter-add into the local shard)."""
+def theory(mesh_cfg, gathered_bytes: float, embedding_bytes: float, grad_bytes: float,
+           micro_batches: int = 1) -> list[Collective]:
+    """`gathered_bytes`: working parameters per device once gathered over fsdp;
+    `embedding_bytes`: the table's share, which the backward does not gather again (its gradient
+    is a scatter-add into the local shard); parameters are gathered once per micro-batch."""
     if mesh_cfg.fsdp == 1:
         return []
-    b = dtype_bytes(cfg.model.param_dtype)
-    full = gathered_param_elems * b
-    return [Collective("all-gather", ("fsdp",), full, what="parameters, forward"),
-            Collective("all-gather", ("fsdp",), full - embedding_elems * b,
+    k = micro_batches
+    return [Collective("all-gather", ("fsdp",), k * gathered_bytes, what="parameters, forward"),
+            Collective("all-gather", ("fsdp",), k * (gathered_bytes - embedding_bytes),
                        what="parameters but the embedding, backward"),
-            Collective("reduce-scatter", ("fsdp",), full, what="gradients")]
+            Collective("reduce-scatter", ("fsdp",), grad_bytes, what="gradients")]

@@ -11,7 +11,7 @@ the [b, s, h] residual stream stays replicated (sequence parallelism splits it).
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Collective, dtype_bytes
+from jaxscale.strategies.common import Collective
 
 AXIS = "tp"
 DATA_AXIS = False
@@ -33,14 +33,17 @@ def validate(model, tp: int) -> list[str]:
     return errs
 
 
-def theory(cfg, mesh_cfg, local_batch: int) -> list[Collective]:
+def theory(cfg, mesh_cfg, local_batch: int, act_elem_bytes: int, recompute: bool) -> list[Collective]:
+    """Per-device activation all-reduces; a fully rematerialised layer repeats its forward two."""
     if mesh_cfg.tp == 1:
         return []
     m = cfg.model
-    act = local_batch * cfg.data.seq_len * m.dim * dtype_bytes(m.dtype)
+    act = local_batch * cfg.data.seq_len * m.dim * act_elem_bytes
     stats = local_batch * cfg.data.seq_len * 4
-    return [Collective("all-reduce", ("tp",), 4 * m.n_layers * act, 4 * m.n_layers,
-                       "block activations: 2 forward + 2 backward per layer"),
+    per_layer = 6 if recompute else 4
+    return [Collective("all-reduce", ("tp",), per_layer * m.n_layers * act, per_layer * m.n_layers,
+                       "block activations: 2 forward + 2 backward per layer"
+                       + (" + 2 recomputed" if recompute else "")),
             Collective("all-reduce", ("tp",), 2 * act, 2,
                        "vocab-parallel embedding (fwd) and head input gradient (bwd)"),
             Collective("all-reduce", ("tp",), 3 * stats, 3,

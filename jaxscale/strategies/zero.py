@@ -21,6 +21,8 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.strategies.common import Collective
+
 AXIS = "dp"
 
 
@@ -56,3 +58,18 @@ def validate(plan_cfg, mesh_cfg) -> list[str]:
         return [f"plan.zero={z} shards state over the dp axis, but mesh.dp=1: give devices to dp "
                 f"(mesh.fsdp already shards parameters, gradients and optimizer state, = ZeRO-3)"]
     return []
+
+
+def theory(stage: int, mesh_cfg, param_bytes: float, embedding_bytes: float, grad_bytes: float,
+           micro_batches: int = 1) -> list[Collective]:
+    """Per-device collectives over dp; bytes are whole (unsharded over dp) per-device tensors."""
+    if stage == 0 or mesh_cfg.dp == 1:
+        return []
+    if stage in (1, 2):
+        return [Collective("reduce-scatter", ("dp",), grad_bytes, what="gradients"),
+                Collective("all-gather", ("dp",), param_bytes, what="updated parameters")]
+    k = micro_batches
+    return [Collective("all-gather", ("dp",), k * param_bytes, what="parameters, forward"),
+            Collective("all-gather", ("dp",), k * (param_bytes - embedding_bytes),
+                       what="parameters but the embedding, backward"),
+            Collective("reduce-scatter", ("dp",), grad_bytes, what="gradients")]

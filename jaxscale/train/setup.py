@@ -42,7 +42,8 @@ class Setup:
         def f(params, batch, scale=1.0):
             with use_rules(self.plan.mesh, self.plan.rules):
                 return self.grads_fn(params, batch, scale)
-        return jax.jit(f, in_shardings=(dev.params, self.batch_shardings(), None))
+        jitted = jax.jit(f, in_shardings=(dev.params, self.batch_shardings(), None))
+        return lambda params, batch, scale=1.0: jitted(params, batch, jnp.float32(scale))
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model, self.optimizer, self.policy, self.state_shardings,
