@@ -54,6 +54,7 @@ class PlanConfig:
                                       # custom mapping "name:save|remat|offload,..."
     offload: str = "none"             # none | optimizer | master | params, "+"-joined
     zero: int = 0                     # 0 | 1 | 2 | 3 over the data-parallel devices
+    check_memory: bool = True         # refuse plans the planner predicts will not fit
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ def test_train_writes_run_directory(tmp_path, capsys):
     (["inspect", "llama_tiny", "--set", "model.nlayers=2"], "unknown config key 'model.nlayers'"),
     (["inspect", "llama_tiny", "--set", "mesh=tpu9"], "unknown mesh preset 'tpu9'"),
     (["inspect", "llama_tiny", "--set", "data.batch_size=6"], "not divisible by the data-parallel"),
+    (["inspect", "llama_tiny", "--set", "model=llama3-8b"], "does not fit: it needs"),
+    (["train", "llama_tiny", "--set", "plan.remat=sometimes"], "unknown plan.remat 'sometimes'"),
 ])
 def test_cli_errors(argv, msg, capsys):
     assert main(argv) == 2

@@ -69,6 +69,9 @@ class Setup:
 
 def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     plan = plan_lib.build(cfg, devices)
+    if cfg.plan.check_memory:          # "does not fit" from the planner, before any compile
+        from jaxscale import planner
+        planner.check_fits(cfg, plan.mesh.devices.size)
     pol = precision.policy(cfg.plan)
     model = state_lib.FunctionalModel(dataclasses.replace(
         cfg.model, dtype=pol.compute_dtype, param_dtype="float32"))
