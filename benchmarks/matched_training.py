@@ -1,4 +1,4 @@
-"""python -m benchmarks.matched_training [--pairs dp,fsdp,tp] [--world 8] [--steps 20] [--out DIR]
+"""python -m benchmarks.matched_training [--pairs dp,fsdp,tp] [--world 8] [--tp-world 4] [--out DIR]
 
 Matched training baselines: jaxscale against the PyTorch way of doing the same thing, on the same
 LLaMA, initial weights, batches, optimizer and schedule, in one run.
@@ -385,14 +385,14 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
 
 # ============================================================================ report
 def format_table(results: list[dict]) -> str:
-    head = (f"{'pair':<28}{'world':>6}{'tok/s JAX':>11}{'tok/s torch':>12}{'JAX/torch':>10}"
+    head = (f"{'pair':<34}{'world':>6}{'tok/s JAX':>11}{'tok/s torch':>12}{'JAX/torch':>10}"
             f"{'state MiB/rank':>17}{'peak MiB/rank':>16}{'loss@N JAX':>12}{'torch':>10}"
             f"{'max|dloss|':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         j, t = r["jax"], r["torch"]
         lines.append(
-            f"{r['jax_name'] + ' vs ' + r['torch_name']:<28}{r['world']:>6}"
+            f"{r['jax_name'] + ' vs ' + r['torch_name']:<34}{r['world']:>6}"
             f"{j['tokens_per_s']:>11,.0f}{t['tokens_per_s']:>12,.0f}{r['ratio_tokens_per_s']:>10.2f}"
             f"{j['state_bytes_per_device'] / MiB:>8.2f} |{max(t['state_bytes_per_rank']) / MiB:>6.2f}"
             f"{j['peak_bytes_per_device'] / MiB:>8.1f} |{max(t['peak_bytes_per_rank']) / MiB:>6.1f}"
@@ -457,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="dp,fsdp,tp", help=f"comma-separated of {', '.join(PAIRS)}")
     p.add_argument("--world", type=int, default=8, help="ranks = JAX devices per pair")
-    p.add_argument("--tp-world", type=int, default=0, help="world of the tp pair (0: --world)")
+    p.add_argument("--tp-world", type=int, default=4,
+                   help="ranks of the tp pair (tp must divide the KV heads: 4 in `tiny`; "
+                        "--tp-world 8 with --set model.n_kv_heads=8)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=2)
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "nccl" if jax.default_backend() == "gpu" else "gloo")
     cfg = base_config(args)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    worlds = {m: (args.tp_world or args.world) if m == "tp" else args.world for m in pairs}
+    worlds = {m: args.tp_world if m == "tp" else args.world for m in pairs}
     results = []
     try:
         for world in dict.fromkeys(worlds.values()):
