@@ -68,8 +68,10 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
     mesh = plan.mesh
     grads_fn = make_grads_fn(model, plan, k, block_wrapper)
 
-    def to(tree, shardings):
-        return None if tree is None else jax.device_put(tree, shardings)
+    def to(tree, shardings):   # memory-kind moves; nothing to do when nothing is offloaded
+        if tree is None or not lay.offload:
+            return tree
+        return jax.device_put(tree, shardings)
 
     def train_step(state: TrainState, batch):
         with use_rules(mesh, plan.rules):
