@@ -65,7 +65,7 @@ class Claims:
 
     def close(self, claim: str, measured: float, expected: float, rtol: float) -> bool:
         ok = abs(measured - expected) <= rtol * abs(expected)
-        return self.check(claim + f" (within {rtol:.0%})", measured, expected, ok)
+        return self.check(claim + f" (within {rtol * 100:g}%)", measured, expected, ok)
 
     def finish(self, out: str, results: dict | None = None) -> None:
         print()
