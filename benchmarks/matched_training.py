@@ -6,6 +6,7 @@ LLaMA, initial weights, batches, optimizer and schedule, in one run.
   pair   PyTorch (a real multi-process job on localhost)      jaxscale (one process, a mesh)
   dp     DistributedDataParallel                              mesh dp=world
   fsdp   FSDP2 `fully_shard` per block + root                 mesh fsdp=world
+  fsdp_keep  the same with reshard_after_forward=False           mesh fsdp=world
   hsdp   FSDP2 `fully_shard` on a 2-D (replicate, shard) mesh mesh dp=2 x fsdp=world/2
   tp     DTensor `parallelize_module`: Q/K/V, gate/up          mesh tp=world (heads, kv_heads,
          ColwiseParallel; O, down RowwiseParallel; embedding  mlp, vocab over tp)
@@ -55,8 +56,9 @@ from jaxscale.bench.torch_collectives import TorchFailure, TorchJob, _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = {"dp": ("DDP", "jaxscale DP"), "fsdp": ("FSDP2", "jaxscale FSDP"),
+         "fsdp_keep": ("FSDP2 no reshard", "jaxscale FSDP"),
          "hsdp": ("FSDP2 HSDP", "jaxscale dp x fsdp"), "tp": ("DTensor TP", "jaxscale TP")}
-DATA_PARALLEL = ("dp", "fsdp", "hsdp")
+DATA_PARALLEL = ("dp", "fsdp", "fsdp_keep", "hsdp")
 MiB = 2**20
 
 
@@ -73,7 +75,7 @@ def _tracked_step(step, model, optimizer, mode: str) -> tuple[int, dict]:
     """Peak live tensor bytes of one step, from torch's MemTracker (FSDPMemTracker for FSDP2,
     which also sees its all-gather and reduce-scatter buffers). Buffers allocated inside C++
     (DDP's gradient buckets, gloo's staging) are not tensors it sees."""
-    if mode in ("fsdp", "hsdp"):
+    if mode in ("fsdp", "fsdp_keep", "hsdp"):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
         tracker = FSDPMemTracker(model, optimizer)
     else:
@@ -241,8 +243,8 @@ class TrainJob(TorchJob):
 # ============================================================================ JAX side and pairs
 def pair_config(base, mode: str, world: int, hsdp_dp: int = 2):
     from jaxscale.config import apply_overrides
-    deg = {"dp": (world, 1, 1), "fsdp": (1, world, 1), "tp": (1, 1, world),
-           "hsdp": (hsdp_dp, world // hsdp_dp, 1)}[mode]
+    deg = {"dp": (world, 1, 1), "fsdp": (1, world, 1), "fsdp_keep": (1, world, 1),
+           "tp": (1, 1, world), "hsdp": (hsdp_dp, world // hsdp_dp, 1)}[mode]
     return apply_overrides(base, [f"mesh.{a}={d}" for a, d in zip(("dp", "fsdp", "tp"), deg)] +
                            ["plan.zero=0", "plan.accumulate=1", "plan.precision=fp32"])
 
@@ -267,14 +269,16 @@ def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk
               log=None) -> list[dict]:
     """Train `steps` steps of each jaxscale strategy in `modes` and of its PyTorch counterpart (one
     torch job of `world` ranks serves every pair in turn); see the module docstring."""
+    import shutil
+
     import jax
 
     from jaxscale.hf import params_to_hf
+    from jaxscale.plan import validate
     log = log or (lambda s: None)
     if len(jax.devices()) < world:
         raise ValueError(f"world={world} needs {world} JAX devices, {len(jax.devices())} present")
     base_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=steps))
-    from jaxscale.plan import validate
     for mode in modes:                 # every plan checked before any process starts
         validate(pair_config(base_cfg, mode, world, hsdp_dp), world)
     tmp = Path(tempfile.mkdtemp(prefix="jaxscale_matched_"))
@@ -291,6 +295,7 @@ def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk
                                     chunk, hsdp_dp, wait_ready=(k == 0), log=log))
     finally:
         job.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
@@ -393,8 +398,10 @@ def format_table(results: list[dict]) -> str:
         j, t = r["jax"], r["torch"]
         lines.append(
             f"{r['jax_name'] + ' vs ' + r['torch_name']:<34}{r['world']:>6}"
-            f"{j['tokens_per_s']:>11,.0f}{t['tokens_per_s']:>12,.0f}{r['ratio_tokens_per_s']:>10.2f}"
-            f"{j['state_bytes_per_device'] / MiB:>8.2f} |{max(t['state_bytes_per_rank']) / MiB:>6.2f}"
+            f"{j['tokens_per_s']:>11,.0f}{t['tokens_per_s']:>12,.0f}"
+            f"{r['ratio_tokens_per_s']:>10.2f}"
+            f"{j['state_bytes_per_device'] / MiB:>8.2f} |"
+            f"{max(t['state_bytes_per_rank']) / MiB:>6.2f}"
             f"{j['peak_bytes_per_device'] / MiB:>8.1f} |{max(t['peak_bytes_per_rank']) / MiB:>6.1f}"
             f"{j['loss'][-1]:>12.5f}{t['loss'][-1]:>10.5f}{max(r['loss_abs_diff']):>12.2e}")
     lines.append("state: params + Adam moments per rank (JAX | torch); peak: JAX compiled "
@@ -407,15 +414,15 @@ def format_collectives(results: list[dict]) -> str:
     """Collectives per step: the jaxscale census (kind[axes] x count, bytes per device) beside the
     torch ops one step issued (torch's CommDebugMode, counted on rank 0; the gradient-norm
     all-reduce of sharded gradients and the loss/counter scalars included on both sides)."""
-    lines = [f"{'pair':<8}{'jaxscale (XLA census)':<60}torch (CommDebugMode)"]
+    lines = [f"{'pair':<11}{'jaxscale (XLA census)':<56}torch (CommDebugMode)"]
     for r in results:
         jax_c = [f"{c['kind']}[{','.join(c['axes'])}] x{c['count']} {c['bytes'] / MiB:.2f}MiB"
                  for c in r["jax"]["census"]] or ["(none)"]
         torch_c = [f"{k.split('.')[-1].rstrip('_')} x{v}" for k, v in
                    sorted(r["torch"]["collectives"].items())] or ["(none)"]
         for i in range(max(len(jax_c), len(torch_c))):
-            lines.append(f"{r['pair'] if i == 0 else '':<8}"
-                         f"{jax_c[i] if i < len(jax_c) else '':<60}"
+            lines.append(f"{r['pair'] if i == 0 else '':<11}"
+                         f"{jax_c[i] if i < len(jax_c) else '':<56}"
                          f"{torch_c[i] if i < len(torch_c) else ''}")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""The jaxscale LLaMA as a plain PyTorch `nn.Module` (fp32), its weight conversion, and the optimizer.
+"""The jaxscale LLaMA as a plain PyTorch `nn.Module` (fp32), weight conversion, and the optimizer.
 
 Same architecture as `models/llama.py`: RMSNorm (fp32 statistics), RoPE in the rotate-half layout
 with optional Llama-3.1 frequency scaling, grouped-query attention (causal), SwiGLU MLP, untied or
@@ -14,8 +14,8 @@ reshapes with -1 heads, so it runs on the local heads of a column-parallel proje
 the shards of DTensor gradients), and `torch.optim.AdamW` (decoupled decay, which equals optax's
 `adamw` update -lr * (adam + wd * p)) with no weight decay on the RMSNorm scales.
 
-`parallelize(model, "dp" | "fsdp" | "hsdp" | "tp", ...)` applies the PyTorch strategies the
-baselines compare against (DDP, FSDP2, FSDP2 on a 2-D mesh, DTensor tensor parallelism).
+`parallelize(model, mode, ...)` applies the PyTorch strategies the baselines compare against:
+DDP, FSDP2 (with and without resharding after forward), FSDP2 on a 2-D mesh, DTensor TP.
 
 This module imports torch and numpy only (the jaxscale conversion functions import jax lazily), so
 training workers start without jax.
@@ -180,7 +180,8 @@ class TorchLlama(nn.Module):
 def parallelize(model, mode: str, world: int, device_type: str, hsdp_dp: int = 2):
     """Apply a PyTorch strategy to a full `TorchLlama` (weights loaded), as torchtitan would.
 
-    dp: DDP; fsdp: FSDP2 `fully_shard` on each block, then the root; hsdp: the same on a 2-D
+    dp: DDP; fsdp: FSDP2 `fully_shard` on each block, then the root (`fsdp_keep`: with
+    `reshard_after_forward=False`, gathered blocks kept for the backward); hsdp: the same on a 2-D
     (replicate `hsdp_dp`, shard world/hsdp_dp) mesh; tp: DTensor `parallelize_module`, Megatron
     style: Q/K/V and gate/up column-parallel, O and down row-parallel, the embedding row-parallel
     (vocabulary split), the head column-parallel with vocabulary-sharded logits for
@@ -190,21 +191,23 @@ def parallelize(model, mode: str, world: int, device_type: str, hsdp_dp: int = 2
         from torch.nn.parallel import DistributedDataParallel
         # the only buffer is the constant RoPE table: no per-step broadcast of it
         return DistributedDataParallel(model, broadcast_buffers=False)
-    if mode in ("fsdp", "hsdp"):
+    if mode in ("fsdp", "fsdp_keep", "hsdp"):
         from torch.distributed.fsdp import fully_shard
-        mesh = (init_device_mesh(device_type, (world,)) if mode == "fsdp" else
+        mesh = (init_device_mesh(device_type, (world,)) if mode != "hsdp" else
                 init_device_mesh(device_type, (hsdp_dp, world // hsdp_dp),
                                  mesh_dim_names=("replicate", "shard")))
+        keep = mode == "fsdp_keep"      # no reshard after forward: no all-gather in backward
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=not keep)
+        fully_shard(model, mesh=mesh)   # the root keeps its gathered weights (FSDP2's default)
         return model
     if mode == "tp":
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         if model.cfg.tie_embeddings:
-            raise ValueError("the DTensor TP baseline needs an untied head (model.tie_embeddings=0)")
+            raise ValueError("the DTensor TP baseline needs an untied head "
+                             "(model.tie_embeddings=0)")
         mesh = init_device_mesh(device_type, (world,))
         plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
                 "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
@@ -216,7 +219,7 @@ def parallelize(model, mode: str, world: int, device_type: str, hsdp_dp: int = 2
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel()
         return parallelize_module(model, mesh, plan)
-    raise ValueError(f"unknown strategy {mode!r}; valid: dp, fsdp, hsdp, tp")
+    raise ValueError(f"unknown strategy {mode!r}; valid: dp, fsdp, fsdp_keep, hsdp, tp")
 
 
 # ----------------------------------------------------------------------------- conversion

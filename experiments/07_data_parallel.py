@@ -31,7 +31,8 @@ ensure_host_devices(8)      # before jax is imported
 import jax  # noqa: E402
 
 import models  # noqa: E402
-from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides  # noqa: E402
+from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
+                             apply_overrides)
 from jaxscale.inspect import report  # noqa: E402
 
 MiB = 2**20
@@ -84,7 +85,8 @@ def plot(rows, pair, path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if pair else 1, figsize=(12 if pair else 6, 4.5), squeeze=False)
     ax = axes[0][0]
     ns = [r["dp"] for r in rows]
-    ax.bar([str(n) for n in ns], [r["allreduce_bytes"] / MiB for r in rows], label="all-reduce bytes")
+    ax.bar([str(n) for n in ns], [r["allreduce_bytes"] / MiB for r in rows],
+           label="all-reduce bytes")
     ax.plot([str(n) for n in ns], [r["wire_bytes"] / MiB for r in rows], "o-", color="C1",
             label="ring wire bytes 2(n-1)/n")
     ax.axhline(rows[0]["grad_bytes"] / MiB, color="gray", ls="--", label="gradient bytes")

@@ -7,11 +7,13 @@ Topic 09: fully sharded data parallelism, flat and hybrid. In one run on 8 simul
    (n/dp of FSDP's saving), and its parameter all-gathers stay inside the `fsdp` group; the
    gradients are reduced inside the group (reduce-scatter; XLA:CPU emits all-reduce + slice) and
    then across the `dp` replicas on the shard only.
-2. Side by side with PyTorch FSDP2 (`fully_shard` per block and root, 8 gloo ranks) and FSDP2 on a
-   2-D (replicate 2, shard 4) mesh (HSDP), from the same weights and batches with the same
-   optimizer (`benchmarks.matched_training`): losses, state and peak memory per rank, and the
-   tokens/s ratio measured alternately in one run (on CPU the JAX devices and torch ranks share
-   the cores: only the ratio means anything).
+2. Side by side with PyTorch FSDP2 (`fully_shard` per block and root, 8 gloo ranks), FSDP2 with
+   `reshard_after_forward=False` (gathered blocks kept from forward to backward: fewer
+   all-gathers, more memory; XLA's FSDP program gathers again in the backward, as the default
+   FSDP2 does) and FSDP2 on a 2-D (replicate 2, shard 4) mesh (HSDP), from the same weights and
+   batches with the same optimizer (`benchmarks.matched_training`): losses, state and peak memory
+   per rank, collectives per step, and the tokens/s ratio measured alternately in one run (on CPU
+   the JAX devices and torch ranks share the cores: only the ratio means anything).
 Under three minutes on 2 idle cores. Writes fsdp_census.json, fsdp_vs_fsdp2.json and fsdp.png
 under --out.
 """
@@ -32,7 +34,8 @@ ensure_host_devices(8)      # before jax is imported
 import jax  # noqa: E402
 
 import models  # noqa: E402
-from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides  # noqa: E402
+from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
+                             apply_overrides)
 from jaxscale.inspect import report  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.matched_training import format_collectives, format_table, run_pairs
         from jaxscale.bench.torch_collectives import TorchFailure
         try:
-            pairs = run_pairs(["fsdp", "hsdp"], cfg, 8, args.steps, warmup=2, chunk=2,
+            pairs = run_pairs(["fsdp", "fsdp_keep", "hsdp"], cfg, 8, args.steps, warmup=2, chunk=2,
                               hsdp_dp=2, log=lambda s: print(s, file=sys.stderr, flush=True))
         except TorchFailure as e:
             print(f"the torch side failed: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA interop: `LlamaForCausalLM` directories in, sharded jaxscale params out, and back.
+"""Hugging Face LLaMA interop: `LlamaForCausalLM` directories to sharded jaxscale params and back.
 
 Loading reads `config.json` (transformers 4 style `rope_theta` + `rope_scaling`, or transformers 5
 style `rope_parameters`) into a `ModelConfig`, then builds every parameter with
@@ -323,7 +323,8 @@ def load_params(path_or_ckpt, cfg: ModelConfig, shardings) -> dict:
         return jax.make_array_from_callback(leaf.shape, sharding, callback, dtype=dtype)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    shard_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    shard_leaves = jax.tree.leaves(shardings,
+                                   is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     out = [build(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), leaf, sh)
            for (p, leaf), sh in zip(flat, shard_leaves)]
     return jax.tree.unflatten(treedef, out)
@@ -366,8 +367,9 @@ def export(path, params, cfg: ModelConfig, dtype: str = "float32",
     """Write `params` as a Hugging Face LLaMA directory; returns the files written.
 
     Tensors come to the host one at a time (one layer of a scanned stack at a time) and are
-    written file by file, so the host holds at most one output file's worth. Above `max_shard_bytes` in
-    total the weights are split into numbered files with `model.safetensors.index.json`.
+    written file by file, so the host holds at most one output file's worth. Above
+    `max_shard_bytes` in total the weights are split into numbered files plus
+    `model.safetensors.index.json`.
     Multi-process: every process must call this (the gathers are collective); process 0 writes."""
     import ml_dtypes
     from safetensors.numpy import save_file

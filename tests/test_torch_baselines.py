@@ -1,4 +1,4 @@
-"""The PyTorch baselines are the same computation: logits on converted weights, and 10 training steps
+"""The PyTorch baselines compute the same thing: logits on converted weights, and 10 training steps
 of DP vs DDP, FSDP vs FSDP2 and TP vs DTensor TP as real 2-process gloo jobs.
 
 Loss tolerance: 2e-5 nats (absolute) at every step. Both sides run fp32; what differs is the order
@@ -74,7 +74,8 @@ def test_optimizer_step_matches_optax():
         new = optax.apply_updates(new, upd)
     w = torch.nn.Parameter(torch.from_numpy(params["w"].copy()))
     s = torch.nn.Parameter(torch.from_numpy(params["norm"]["scale"].copy()))
-    topt = tl.AdamWLikeOptax([("w", w), ("final_norm.weight", s)], dataclasses.asdict(cfg.optim), 10)
+    topt = tl.AdamWLikeOptax([("w", w), ("final_norm.weight", s)],
+                             dataclasses.asdict(cfg.optim), 10)
     for _ in range(2):
         w.grad = torch.from_numpy(grads["w"].copy())
         s.grad = torch.from_numpy(grads["norm"]["scale"].copy())
