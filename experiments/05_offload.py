@@ -1,0 +1,172 @@
+"""python experiments/05_offload.py [--out runs/exp05]
+
+Topic 05: host offload (`plan.offload`, `plan.remat=offload`), tiny model (2 layers), bf16 with
+fp32 master and Adam, dp=8, batch 16 x 64.
+
+1. State placement: for offload none / optimizer / optimizer+master / params, the per-device
+   bytes of the compiled step's inputs in device and in host (`pinned_host`) memory, read from the
+   compiled executable's input shardings. Device-resident bytes should drop by exactly the
+   offloaded state: Adam moments 8 bytes/param, + fp32 master 4, or the bf16 params 2. Three
+   training steps of each give the same losses.
+2. Activation offload: the bytes `plan.remat=offload` sends to host memory per step (device_puts
+   the checkpoint policy inserts, times the layer scan), against q, k, v, attention output, output
+   projection, gate and up per layer (the policy names mlp_down too, but no backward computation
+   needs a layer's last matmul output, so it is neither kept nor sent).
+3. A PCIe-bound step-time model: every offloaded byte crosses the host link twice per step (in
+   for the step, back after the update; offloaded activations out in the forward and back in the
+   backward). Transfer time = bytes / `host_bw` of `jaxscale/hardware.py`, against compute time =
+   dot FLOPs / (peak x matmul efficiency), for this run and for Llama-3-8B under FSDP over N = 8
+   H100s. A device moves 2 x b x Psi / N bytes (b offloaded bytes/param) and computes ~6 Psi
+   FLOPs per token, so the copies hide behind compute from T* = b x peak x eff / (3 N host_bw)
+   tokens per device per step on, whatever the model size.
+(XLA:CPU keeps both memory kinds in the same RAM and emits no copies, so the CPU measures where
+state lives and how many bytes move, not how long they take.) Writes offload.png.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import _common as C  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from jaxscale import hardware, inspect  # noqa: E402
+from jaxscale.data import Batches, load_corpus  # noqa: E402
+from jaxscale.train.setup import build  # noqa: E402
+
+OFFLOADS = ("none", "optimizer", "optimizer+master", "params")
+BYTES_PER_PARAM = {"optimizer": 8, "master": 4, "params": 2}
+SEQ, BATCH = 64, 16
+
+
+def by_kind(shardings, abstract) -> dict[str, float]:
+    out = {"device": 0.0, "pinned_host": 0.0}
+    for sh, leaf in zip(jax.tree.leaves(shardings), jax.tree.leaves(abstract)):
+        n = float(np.prod(sh.shard_shape(leaf.shape))) * np.dtype(leaf.dtype).itemsize
+        out[sh.memory_kind or "device"] += n
+    return out
+
+
+def placement(offload: str, batches) -> dict:
+    cfg = C.config(*C.DP8, "plan.precision=bf16", f"plan.offload={offload}", seq=SEQ,
+                   batch=BATCH)
+    setup = build(cfg)
+    args = (setup.abstract_state(), setup.abstract_batch())
+    compiled = setup.lower_train_step().compile()
+    inputs = by_kind(compiled.input_shardings[0], args)
+    outputs = by_kind(compiled.output_shardings[0], args[0])
+    state, losses = setup.init_state(), []
+    for i in range(3):
+        b = {k: jax.device_put(v, setup.batch_shardings()[k])
+             for k, v in batches.global_rows(i).items()}
+        state, m = compiled(state, b)
+        losses.append(float(m["loss"]))
+    return {"offload": offload, "device": inputs["device"], "host": inputs["pinned_host"],
+            "host_out": outputs["pinned_host"], "flops": inspect.flops(compiled)["dot_flops"],
+            "losses": losses, "psi": cfg.model.param_count()}
+
+
+def main():
+    args = C.parse_args(__doc__, "runs/exp05")
+    t0 = time.time()
+    claims = C.Claims()
+    batches = Batches(load_corpus(C.config().data).train, BATCH, SEQ, seed=0)
+    res = {o: placement(o, batches) for o in OFFLOADS}
+    base, psi = res["none"], res["none"]["psi"]
+    rows = []
+    for o, r in res.items():
+        expected = sum(BYTES_PER_PARAM[p] for p in o.split("+") if p != "none") * psi
+        drop = base["device"] - r["device"]
+        rows.append([o, f"{r['device'] / C.MiB:.3f}", f"{r['host'] / C.MiB:.3f}",
+                     f"{drop:,.0f}", f"{expected:,}", f"{r['host_out']:,.0f}",
+                     " ".join(f"{x:.5f}" for x in r["losses"])])
+        if o != "none":
+            claims.check(f"{o}: device drop = host bytes = offloaded state (bytes)",
+                         f"{drop:,.0f} / {r['host']:,.0f}", f"{expected:,}",
+                         drop == r["host"] and abs(drop - expected) <= 64)
+            diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+            claims.check(f"{o}: 3 training steps match no offload (max |loss diff|)", diff,
+                         "< 1e-6", diff < 1e-6)
+    print(C.table(["offload", "device MiB", "host MiB", "device drop (B)",
+                   "expected (B/param x Psi)", "host bytes written back", "losses"], rows,
+                  title=f"per-device train state, bf16 + fp32 master + Adam, dp=8 (Psi = "
+                        f"{psi:,}; step counters stay on device)"))
+
+    cfg = C.config(*C.DP8, "plan.precision=bf16", "plan.remat=offload", seq=SEQ, batch=BATCH)
+    setup = build(cfg)
+    act = inspect.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
+                                             setup.abstract_batch()) / 8
+    m = cfg.model
+    per_layer = BATCH // 8 * SEQ * (2 * m.n_heads * m.hd + 2 * m.n_kv_heads * m.hd
+                                    + 2 * m.ffn_dim + m.dim) * 2      # bf16, no mlp_down
+    claims.check("remat=offload: activation bytes to host per device per step",
+                 f"{act:,.0f}", f"{m.n_layers * per_layer:,}", act == m.n_layers * per_layer)
+    print(f"\nactivation offload (plan.remat=offload): {act:,.0f} bytes per device per step to "
+          f"host = {m.n_layers} layers x {per_layer:,} (q, k, v, attn_out, o_proj, gate, up "
+          f"in bf16; mlp_down's value is never needed by the backward, so it is not kept)")
+
+    # ---------------------------------------------------------------- PCIe-bound step time
+    h100 = hardware.get("h100")
+    eff_peak = h100.peak_bf16 * h100.matmul_efficiency
+    model_rows = []
+    for o, r in res.items():
+        moved = r["host"] + r["host_out"]
+        model_rows.append(["this run (tiny)", o, f"{moved / 1e6:.2f}",
+                           f"{moved / h100.host_bw * 1e6:.1f} us",
+                           f"{r['flops'] / eff_peak * 1e6:.2f} us",
+                           f"{moved / h100.host_bw / (r['flops'] / eff_peak):.0f}x", "-"])
+    big = models.get("llama3-8b")
+    n_dev, tokens = 8, 8 * 4096                                  # per device: 8 x 4096 tokens
+    compute = big.flops_per_token(4096) * tokens / eff_peak
+    for o in OFFLOADS:
+        b_off = sum(BYTES_PER_PARAM.get(p, 0) for p in o.split("+"))
+        moved = 2 * b_off * big.param_count() / n_dev
+        t_star = b_off * eff_peak / (3 * n_dev * h100.host_bw)
+        model_rows.append(["llama3-8b, fsdp=8", o, f"{moved / 1e6:.0f}",
+                           f"{moved / h100.host_bw * 1e3:.0f} ms" if moved else "0",
+                           f"{compute * 1e3:.0f} ms", f"{moved / h100.host_bw / compute:.2f}x",
+                           f"{t_star:,.0f}" if b_off else "-"])
+    print()
+    print(C.table(["case", "offload", "MB moved / step", "PCIe time", "compute time",
+                   "PCIe / compute", "T* tokens/device"], model_rows,
+                  title=f"PCIe-bound step time on an H100 (host link {h100.host_bw / 1e9:.0f} "
+                        f"GB/s, {eff_peak / 1e12:.0f} TFLOP/s sustained); llama3-8b: "
+                        f"{tokens:,} tokens per device per step"))
+
+    plt = C.pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = np.arange(len(OFFLOADS))
+    a1.bar(x, [res[o]["device"] / C.MiB for o in OFFLOADS], label="device")
+    a1.bar(x, [res[o]["host"] / C.MiB for o in OFFLOADS],
+           bottom=[res[o]["device"] / C.MiB for o in OFFLOADS], label="pinned_host")
+    a1.set_xticks(x, OFFLOADS, fontsize=8)
+    a1.set_ylabel("train state MiB per device")
+    a1.set_title("where the state lives (compiled input shardings)")
+    a1.legend()
+    toks = np.logspace(3, 6, 50)
+    per_tok = big.flops_per_token(4096) / eff_peak
+    for o in OFFLOADS[1:]:
+        b_off = sum(BYTES_PER_PARAM[p] for p in o.split("+"))
+        ratio = 2 * b_off * big.param_count() / n_dev / h100.host_bw / (toks * per_tok)
+        a2.plot(toks, ratio, label=o)
+    a2.axhline(1, color="k", ls=":")
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("tokens per device per step")
+    a2.set_ylabel("PCIe time / compute time")
+    a2.set_title("llama3-8b, fsdp=8, H100: copies hide below 1")
+    a2.legend(fontsize=8)
+    a2.grid(alpha=0.3, which="both")
+    C.save(fig, args.out, "offload.png")
+    print(f"{time.time() - t0:.0f} s")
+    claims.finish(args.out, {"placement": res, "activation_offload_bytes": act})
+
+
+if __name__ == "__main__":
+    main()
