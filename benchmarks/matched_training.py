@@ -431,19 +431,23 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
     for c, r in enumerate(results):
         steps = range(1, len(r["jax"]["loss"]) + 1)
         ax0.plot(steps, r["jax"]["loss"], "-", color=f"C{c}", label=r["jax_name"])
         ax0.plot(steps, r["torch"]["loss"], "--", color=f"C{c}", label=r["torch_name"])
+        ax1.semilogy(steps, [max(d, 1e-9) for d in r["loss_abs_diff"]], "-o", ms=3,
+                     color=f"C{c}", label=r["pair"])
     ax0.set(xlabel="step", ylabel="train loss (nats/token)", title="same init, data, optimizer")
     ax0.legend(fontsize=7)
-    names = [r["pair"] for r in results]
-    ax1.bar(names, [r["ratio_tokens_per_s"] for r in results], color=[f"C{c}" for c in
-                                                                       range(len(results))])
-    ax1.axhline(1.0, color="gray", lw=0.8)
-    ax1.set(ylabel="tokens/s JAX / torch", title=f"throughput ratio ({results[0]['backend']}, "
-            f"world {results[0]['world']})" if results else "")
+    ax1.set(xlabel="step", ylabel="|loss JAX - loss torch|", title="agreement (fp32)")
+    ax1.legend(fontsize=7)
+    names = [f"{r['pair']}\n({r['world']} ranks)" for r in results]
+    ax2.bar(names, [r["ratio_tokens_per_s"] for r in results],
+            color=[f"C{c}" for c in range(len(results))])
+    ax2.axhline(1.0, color="gray", lw=0.8)
+    ax2.set(ylabel="tokens/s JAX / torch",
+            title=f"throughput ratio ({results[0]['backend'] if results else ''})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

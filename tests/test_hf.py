@@ -72,15 +72,18 @@ def test_logits_match_transformers(name, tmp_path):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_export_reload_identical(tmp_path, scan):
-    model = make_hf_model(**CASES["gqa"][0])
+@pytest.mark.parametrize("name,scan", [("gqa", True), ("llama3.1-rope", False), ("tied", True)])
+def test_export_reload_identical(tmp_path, name, scan):
+    kw, mesh = CASES[name]
+    model = make_hf_model(**kw)
     model.save_pretrained(tmp_path / "src")
-    loaded = hf.load(tmp_path / "src", mesh_cfg(1, 4, 2), scan_layers=scan)
+    loaded = hf.load(tmp_path / "src", mesh_cfg(*mesh), scan_layers=scan)
     files = hf.export(tmp_path / "out", loaded.params, loaded.cfg.model, max_shard_bytes=60_000)
     assert (tmp_path / "out" / hf.INDEX_FILE) in files and len(files) > 3
     index = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
-    assert set(index["weight_map"]) == set(model.state_dict())
+    tied = kw.get("tie_word_embeddings", False)
+    assert set(index["weight_map"]) == {k for k in model.state_dict()
+                                        if not (tied and k == "lm_head.weight")}
     again = hf.load(tmp_path / "out", mesh_cfg(2, 2, 2), scan_layers=scan)
     assert again.cfg.model == loaded.cfg.model
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params)):
@@ -88,6 +91,9 @@ def test_export_reload_identical(tmp_path, scan):
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     for k, v in model.state_dict().items():      # the exported tensors are transformers' own
         assert torch.equal(back.state_dict()[k], v), k
+    tokens = torch.from_numpy(np.random.default_rng(2).integers(0, 96, (1, 40)))
+    with torch.no_grad():                        # and so is the exported config (RoPE included)
+        torch.testing.assert_close(back(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 
 def test_reads_only_device_slices(tmp_path):
