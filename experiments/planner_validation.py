@@ -57,6 +57,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "dp8 acc2": (*PLANS["dp8"], "plan.accumulate=2", "data.batch_size=16"),
     "fsdp8 acc2": (*PLANS["fsdp8"], "plan.accumulate=2", "data.batch_size=16"),
     "dp8 offload=optimizer": (*PLANS["dp8"], "plan.offload=optimizer"),
+    "fsdp8 bf16 remat=full acc2": (*PLANS["fsdp8"], "plan.precision=bf16", "plan.remat=full",
+                                   "plan.accumulate=2", "data.batch_size=16"),
+    "dp2xfsdp2xtp2 bf16 remat=save_dots": (*PLANS["dp2xfsdp2xtp2"], "plan.precision=bf16",
+                                           "plan.remat=save_dots"),
 }
 
 

@@ -20,7 +20,8 @@ pipeline stage, k = micro-batches per step, Psi_x = parameter bytes gathered ove
   head's backward gather is `optional`: XLA's CSE sometimes reuses the forward copy and sometimes
   does not (observed both ways on the same mesh at different batch sizes), so a comparison with
   the compiler accepts either and says which it saw. With accumulation the layer gathers repeat
-  per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted out.
+  per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted out. A
+  remat policy gathers the layers' RMSNorm scales once more for the replayed forward.
 - Gradient reduction, once per micro-batch (XLA reduces inside the accumulation loop): a matmul
   weight is reduce-scattered over `fsdp` at its
   fsdp-gathered size, then all-reduced over the remaining data axes at its shard size (HSDP); a
@@ -158,14 +159,21 @@ def _fsdp(spec) -> list[Comm]:
                 count_b += 1
     # Layer weights are gathered inside the layer loop, once per micro-batch; the others
     # (embedding, final norm, head) are loop-invariant: with accumulation XLA hoists their
-    # gathers out of the micro-batch loop and the head's backward reuses the forward copy.
-    outer_k = 1 if k > 1 else k
-    out = [Comm("all-gather", axes, layer_f * k + outer_f * outer_k, count_f * k,
+    # gathers out of the micro-batch loop.
+    out = [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
                 "parameters, forward", group=n, overlap=True),
-           Comm("all-gather", axes, layer_b * k + outer_b * outer_k, count_b * k,
+           Comm("all-gather", axes, layer_b * k + outer_b, count_b * k,
                 "layer parameters and final norm, backward (the embedding is not regathered)",
                 group=n, overlap=True)]
-    if head and k == 1:
+    if spec.remat not in ("none", ""):
+        # the replayed forward gathers the RMSNorm scales again (the matmul weights gathered
+        # for the backward serve the replay too)
+        norms = sum(leaf.local_size(deg, drop=("fsdp",)) * pb for leaf in
+                    params_lib.leaves(spec.model, spec.moe) if leaf.stacked and leaf.use == "norm")
+        out.append(Comm("all-gather", axes, norms * k, 2 * spec.stage_layers * k,
+                        "RMSNorm scales again for the rematerialised forward", group=n,
+                        overlap=True))
+    if head:
         out.append(Comm("all-gather", axes, head, 1, "LM head, backward (XLA may reuse the "
                         "forward gather)", group=n, optional=True, overlap=True))
     return out

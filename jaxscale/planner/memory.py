@@ -13,9 +13,9 @@ Activations: `activations.py` per layer x layers per pipeline stage x micro-batc
 (1 + (p - 1) / (p v)), Korthikanti et al. arXiv 2205.05198 section 4.2.3).
 
 Temporaries are the peak of two phases of the compiled step, as XLA schedules it:
-- backward: saved activations + the gradients of one layer's activations while its backward runs
-  (about one layer's activations again; a rematerialised layer adds half of its rebuilt
-  forward, what is live of it while its backward runs) +
+- backward: saved activations + one layer's activations again while its backward runs (their
+  gradients; a rematerialised layer's rebuilt forward) + under TP the buffers of the q/k/v
+  input-gradient all-reduce (3 bsh) +
   the local gradient buffer + fp32 logits and their gradient + with FSDP one gathered layer of
   weights and that layer's unreduced gradient + with accumulation a gradient accumulator;
 - update: the gradients + a copy of the fp32 optimizer state, moments and master weights (XLA
@@ -131,12 +131,17 @@ def estimate(spec) -> Memory:
 
     # ---- temporaries: the larger of the backward and the update phase
     gb = spec.wire_param_itemsize                       # gradients as the backend holds them
-    local_grads = sh.params * gb      # the stacked gradient buffer (sharded like the params)
+    # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
+    # reduced shard) when the weights are fsdp-sharded or under ZeRO-3, else full until the end
+    in_loop = spec.deg("fsdp") > 1 or spec.zero >= 3
+    local_grads = (sh.grads if in_loop else sh.params) * gb
     full = layer_activations(m, spec.seq, tokens, spec.compute_itemsize,
                              Split(spec.deg("tp"), spec.deg("sp"), spec.megatron_sp), "none",
                              spec.attention, spec.moe.top_k if spec.moe else 0)
-    # the gradients of one layer's activations, plus half of a rebuilt (rematerialised) forward
-    working = full.saved + 0.5 * la.working
+    # one layer's activations (their gradients; a rematerialised layer's rebuilt forward) and,
+    # under TP, the buffers of the backward's q/k/v input-gradient all-reduce (3 x bsh)
+    bsh = tokens * m.dim * spec.compute_itemsize / (spec.deg("tp") if spec.megatron_sp else 1)
+    working = full.saved + (3 * bsh if spec.deg("tp") > 1 else 0.0)
     logits = 2 * tokens * m.vocab_size / spec.deg("tp") * 4
     gathered = 0.0
     if spec.deg("fsdp") > 1 or (spec.zero >= 3 and spec.deg("dp") > 1):
@@ -164,6 +169,8 @@ def estimate(spec) -> Memory:
            "temp": temp, "alias": state if spec.donate else 0.0,
            "host_argument": host_state, "host_output": host_state}
     xla["total"] = xla["argument"] + xla["output"] + xla["temp"] - xla["alias"]
+    if not spec.donate:        # the new state gets buffers of its own next to the old one
+        temporaries += state
     return Memory(params=params, master=master, grads=grads, optimizer=optimizer,
                   activations=acts, temporaries=temporaries, batch=batch + counters, host=host,
                   xla=xla, layer=dict(full.tensors), in_flight=flight,

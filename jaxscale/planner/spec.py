@@ -228,8 +228,7 @@ class Spec:
                 errs.append(f"data.seq_len={self.seq} is not divisible by mesh.sp={sp}")
             if self.sp_mode not in SP_MODES:
                 errs.append(f"context parallelism {self.sp_mode!r}: valid are {', '.join(SP_MODES)}")
-            if self.sp_mode == "ulysses" and (m.n_heads // t) % sp or (
-                    self.sp_mode == "ulysses" and (m.n_kv_heads // t) % sp):
+            if self.sp_mode == "ulysses" and ((m.n_heads // t) % sp or (m.n_kv_heads // t) % sp):
                 errs.append(f"Ulysses attention redistributes heads: the {m.n_heads // t} query and "
                             f"{m.n_kv_heads // t} kv heads per tp rank must be divisible by "
                             f"mesh.sp={sp} (use sp_mode=ring)")
