@@ -1,39 +1,32 @@
 """python -m benchmarks.matched_training [--pairs dp,fsdp,tp] [--world 8] [--tp-world 4] [--out DIR]
 
 Matched training baselines: jaxscale against the PyTorch way of doing the same thing, on the same
-LLaMA, initial weights, batches, optimizer and schedule, in one run.
-
-  pair   PyTorch (a real multi-process job on localhost)      jaxscale (one process, a mesh)
-  dp     DistributedDataParallel                              mesh dp=world
-  fsdp   FSDP2 `fully_shard` per block + root                 mesh fsdp=world
-  fsdp_keep  the same with reshard_after_forward=False           mesh fsdp=world
-  hsdp   FSDP2 `fully_shard` on a 2-D (replicate, shard) mesh mesh dp=2 x fsdp=world/2
-  tp     DTensor `parallelize_module`: Q/K/V, gate/up          mesh tp=world (heads, kv_heads,
-         ColwiseParallel; O, down RowwiseParallel; embedding  mlp, vocab over tp)
-         RowwiseParallel (vocab); head ColwiseParallel with
-         `loss_parallel` (vocab-sharded cross-entropy)
+LLaMA, initial weights, batches, optimizer and schedule, in one run. Pairs (PyTorch: a real job of
+`world` processes on localhost, set up by `torch_llama.parallelize`; jaxscale: one process, a mesh):
+  dp         DistributedDataParallel                            mesh dp=world
+  fsdp       FSDP2 `fully_shard` per block, then the root       mesh fsdp=world
+  fsdp_keep  the same with reshard_after_forward=False          mesh fsdp=world
+  hsdp       FSDP2 on a 2-D (replicate 2, shard world/2) mesh   mesh dp=2 x fsdp=world/2
+  tp         DTensor TP (Megatron layout, `loss_parallel`)      mesh tp=world
 
 Sameness: the initial weights are the jaxscale init converted by `benchmarks.torch_llama`; batch i
 is `Batches(...).global_rows(i)` on both sides (data-parallel rank r takes rows r*B/n..(r+1)*B/n,
 TP ranks take all rows); the loss is the token mean over the global batch (each data-parallel rank
 scales its token-sum loss by world/tokens, so DDP's and FSDP2's gradient averaging gives exactly
 the global mean); the optimizer is `torch_llama.AdamWLikeOptax`, a term-by-term copy of
-`make_optimizer` (same clipping rule, AdamW, schedule, no decay on norm scales). PyTorch runs eager
-(no torch.compile), fp32; jaxscale runs its jitted train step.
-
-Timing: after `--warmup` untimed steps (compilation, first-touch), the two sides take turns in
-chunks of `--chunk` steps, order reversed every chunk (JAX torch, torch JAX, ...), so drift hits
-both. A torch chunk starts after a barrier and lasts as long as its slowest rank; a JAX chunk ends
-with `block_until_ready`. On CPU the `world` JAX devices and the `world` torch processes share the
-machine's cores, so only the JAX/torch ratio in one run means anything.
-Memory per rank: "state" is parameters + Adam moments held by a rank (exact on both sides);
-"peak" is, for JAX, the compiled step's `memory_analysis()` per device (arguments + outputs +
-temporaries - aliased); for torch on CPU the peak of live tensor bytes that torch's `MemTracker`
-(`FSDPMemTracker` for FSDP2) records over one extra step after the run (tensors allocated inside
-C++, such as DDP's gradient buckets, are not seen), on CUDA `max_memory_allocated`. Each rank's
-peak RSS is in the JSON too; it is mostly the runtime, not the model.
-On GPUs the torch job uses NCCL, one GPU per rank, and JAX the same GPUs (world <= GPU count).
-Outputs under --out: matched_training.json and matched_training.png; the table is printed.
+`make_optimizer`. PyTorch runs eager (no torch.compile), fp32; jaxscale its jitted train step.
+Timing: after `--warmup` untimed steps the two sides take turns in chunks of `--chunk` steps,
+order reversed every chunk, so drift hits both; a torch chunk starts after a barrier and lasts
+until its slowest rank, a JAX chunk ends with `block_until_ready`. On CPU the JAX devices and the
+torch processes share the cores: only the JAX/torch ratio of one run means anything.
+Memory per rank: "state" is parameters + Adam moments (exact on both sides); "peak" is, for JAX,
+the compiled step's `memory_analysis()` per device (arguments + outputs + temporaries - aliased),
+for torch on CPU the peak of live tensor bytes torch's `MemTracker` (`FSDPMemTracker` for FSDP2)
+records over one extra step after the run (buffers allocated in C++, such as DDP's buckets, are
+not seen), on CUDA `max_memory_allocated`. Collectives: the census of the compiled step beside the
+ops torch's `CommDebugMode` counts over one more step. Each rank's peak RSS is in the JSON (it is
+mostly the runtime, not the model). On GPUs the torch job uses NCCL, one GPU per rank.
+Outputs under --out: matched_training.json and matched_training.png; the tables are printed.
 """
 from __future__ import annotations
 
@@ -281,6 +274,8 @@ def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk
     base_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=steps))
     for mode in modes:                 # every plan checked before any process starts
         validate(pair_config(base_cfg, mode, world, hsdp_dp), world)
+    if "tp" in modes and base_cfg.model.tie_embeddings:
+        raise ValueError("the DTensor TP baseline needs an untied head: model.tie_embeddings=0")
     tmp = Path(tempfile.mkdtemp(prefix="jaxscale_matched_"))
     data = global_batches(base_cfg, steps)
     init = initial_params(base_cfg)
@@ -471,13 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-world", type=int, default=4,
                    help="ranks of the tp pair (tp must divide the KV heads: 4 in `tiny`; "
                         "--tp-world 8 with --set model.n_kv_heads=8)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=2)
+    for flag, default in (("steps", 20), ("warmup", 2), ("chunk", 2), ("layers", 4), ("seq", 128),
+                          ("batch", 16)):     # batch: global, in sequences
+        p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--set", action="append", default=[], help="config override a.b=c")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))

@@ -42,8 +42,9 @@ class TorchLlamaConfig:
     head_dim: int
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None     # {factor, low_freq_factor, high_freq_factor,
-    norm_eps: float = 1e-5               #  original_max_position} (Llama-3.1), or None
+    # Llama-3.1: {factor, low_freq_factor, high_freq_factor, original_max_position}; or None
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
     tie_embeddings: bool = False
 
     @classmethod
@@ -254,7 +255,7 @@ def warmup_cosine_lr(step: int, lr: float, warmup_steps: int, decay_steps: int,
 
 
 def _shard_groups(t) -> tuple:
-    """The process groups over which a DTensor's local pieces must be summed (its Shard dims)."""
+    """The mesh dims over which a DTensor's local pieces must be summed (its Shard dims)."""
     from torch.distributed.tensor import DTensor
     if not isinstance(t, DTensor):
         return ()
