@@ -6,8 +6,9 @@ Gradients of the *summed* token losses are added up and divided once by the batc
 tokens: k micro-batches give the gradients of one k-times batch, padding included.
 Memory: activations of one micro-batch (~1/k) live at a time, plus one fp32 gradient
 accumulator (16-bit gradients are accumulated in fp32, so their reduction is in fp32 too).
-Collectives: the gradient reduction happens once, after the scan (XLA hoists it out of the loop
-when the accumulator is reduced at the end); with ZeRO-2 or FSDP the accumulator can be sharded.
+Collectives: the minimum is one gradient reduction per step, on the summed accumulator; XLA's
+partitioner instead reduces each micro-batch's gradients inside the loop (k reductions per step,
+visible in the census), trading communication for a sharded accumulator under ZeRO-2/FSDP.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ backward), remat (recompute in the backward) or offload (keep in `pinned_host` m
 | `offload`            | projections and attention output, on the host | the rest                  |
 | custom `name:save\|remat\|offload,...` | as given; unnamed tags are rematerialised | |
 
-Cost: full remat adds one forward per layer (model FLOPs x 4/3 for the blocks); memory falls to
+Cost: full remat replays each layer's forward but its last matmul (whose output no backward
+needs), so block FLOPs grow a little under 4/3 (tests/test_memory.py has the exact ratio); memory falls to
 one [b, s, h] input per layer plus one layer's activations live at a time. Collectives: under TP
 or FSDP the recomputed forward repeats its all-reduces / all-gathers. Offload adds device<->host
 copies (PCIe bandwidth) instead of recompute.
