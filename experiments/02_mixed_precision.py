@@ -24,9 +24,7 @@ against that accounting. Writes mixed_precision.png.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
-import re
 import tempfile
 import time
 
@@ -45,28 +43,6 @@ from jaxscale.train.setup import build  # noqa: E402
 
 SEQ, BATCH, DOWN = 64, 16, 1e-7
 SCALED = 2.0 ** 20
-
-
-def with_trip_counts(text: str) -> str:
-    """Annotate each `while` of an unoptimised HLO module with the trip count its condition
-    compares against (`i < N`), as XLA's later passes would, so the census multiplies by it."""
-    comps, cur = {}, None
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("(")[0]:
-            cur = comps.setdefault(m.group(1), [])
-        elif cur is not None:
-            cur.append(line)
-    out = []
-    for line in text.splitlines():
-        m = re.search(r" while\(.*condition=%?([\w.\-]+)", line)
-        if m and "known_trip_count" not in line:
-            n = set(re.findall(r"s32\[\] constant\((\d+)\)", "\n".join(comps[m.group(1)])))
-            if len(n) != 1:
-                raise ValueError(f"cannot read the trip count of {line[:80]}")
-            line += f', backend_config={{"known_trip_count":{{"n":"{n.pop()}"}}}}'
-        out.append(line)
-    return "\n".join(out)
 
 
 def grad_all_reduce(text: str, mesh) -> tuple[int, str]:
@@ -93,14 +69,6 @@ def all_reduce_split(text: str) -> dict:
                 out["f32_tensors"].append(("layer " if ins.computation != mod.entry else "")
                                           + f"f32{list(dims)}")
     return out
-
-
-def compile_step(setup, dump: str):
-    lowered = setup.lower_train_step()
-    c = lowered.compile(compiler_options={"xla_dump_to": dump,
-                                          "xla_dump_hlo_pass_re": "spmd-partitioning"})
-    part = sorted(glob.glob(os.path.join(dump, "*train_step*after_spmd-partitioning*")))[-1]
-    return c, with_trip_counts(open(part).read())
 
 
 def train(setup, compiled, batches, steps, mask_factor=1.0, scale=None):
@@ -142,7 +110,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for p, cfg in cfgs.items():
             setups[p] = build(cfg)
-            compiled[p], parts[p] = compile_step(setups[p], os.path.join(tmp, p))
+            compiled[p], parts[p] = C.compile_partitioned(setups[p], os.path.join(tmp, p))
             part = parts[p]
             comm[p] = {"compiled": grad_all_reduce(compiled[p].as_text(), setups[p].plan.mesh),
                        "partitioned": grad_all_reduce(part, setups[p].plan.mesh)}

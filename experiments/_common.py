@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import meshes
@@ -126,3 +127,35 @@ def grad_bytes(setup) -> int:
 def batch_bytes(cfg, n_devices: int = 8) -> int:
     """Per-device bytes of one batch (inputs, targets int32 and mask fp32), sharded over data."""
     return 3 * 4 * cfg.data.batch_size * cfg.data.seq_len // n_devices
+
+
+def with_trip_counts(text: str) -> str:
+    """Annotate each `while` of an unoptimised HLO module with the trip count its condition
+    compares against (`i < N`), as XLA's later passes would, so the census multiplies by it."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and "=" not in line.split("(")[0]:
+            cur = comps.setdefault(m.group(1), [])
+        elif cur is not None:
+            cur.append(line)
+    out = []
+    for line in text.splitlines():
+        m = re.search(r" while\(.*condition=%?([\w.\-]+)", line)
+        if m and "known_trip_count" not in line:
+            n = set(re.findall(r"s32\[\] constant\((\d+)\)", "\n".join(comps[m.group(1)])))
+            if len(n) != 1:
+                raise ValueError(f"cannot read the trip count of {line[:80]}")
+            line += f', backend_config={{"known_trip_count":{{"n":"{n.pop()}"}}}}'
+        out.append(line)
+    return "\n".join(out)
+
+
+def compile_partitioned(setup, dump: str):
+    """Compile the train step; also return its HLO right after SPMD partitioning (before the
+    backend's own passes, e.g. XLA:CPU widening bf16 all-reduces to f32), trip counts added."""
+    import glob
+    c = setup.lower_train_step().compile(compiler_options={
+        "xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    part = sorted(glob.glob(os.path.join(dump, "*train_step*after_spmd-partitioning*")))[-1]
+    return c, with_trip_counts(open(part).read())
