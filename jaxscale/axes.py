@@ -92,11 +92,3 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
         raise ValueError(f"constrain got {len(names)} names {names} for an array of shape {x.shape}")
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
-
-
-def logical_names(variable) -> tuple[str | None, ...]:
-    """The logical names stored on an NNX variable (or its abstract state)."""
-    names = getattr(variable, "out_sharding", None)
-    if names is None:
-        names = variable.get_metadata().get("out_sharding") if hasattr(variable, "get_metadata") else None
-    return tuple(names) if names is not None else (None,) * len(variable.value.shape)

@@ -9,7 +9,7 @@ into simulated nodes in id order, so the same layout can be studied on 8 CPU dev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import jax
@@ -104,7 +104,3 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
         arr = arr.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
         arr = arr.reshape(shape)
     return Mesh(arr, MESH_AXES, axis_types=types)
-
-
-def mesh_fields() -> list[str]:
-    return [f.name for f in fields(MeshConfig)]
