@@ -134,7 +134,7 @@ def main():
                      diff < 0.1)
     claims.check("fp32 trains: first - last loss", base[0] - base[-1], "> 1.0",
                  base[0] - base[-1] > 1.0)
-    skipped = sum(r["skipped"] for r in curves["fp16"])
+    skipped = int(sum(r["skipped"] for r in curves["fp16"]))
     print(f"fp16 dynamic scaling: {skipped} skipped step(s), final scale "
           f"{curves['fp16'][-1]['loss_scale']:g}")
 
