@@ -167,16 +167,17 @@ def report(cfg, devices=None) -> dict:
 
 
 def _note_upcast(rows: list[dict], policy) -> list[dict]:
-    """XLA:CPU has no 16-bit dots or reductions: it converts bf16/fp16 operands to f32 before the
-    SPMD partitioner inserts collectives, so a 16-bit plan's collectives carry f32 on CPU (twice
-    the predicted bytes); GPUs keep them 16-bit. Say so where it explains a ratio of 2."""
+    """XLA:CPU widens bf16 collectives to f32 after partitioning (its all-reduce-promotion pass;
+    parameter all-gathers follow the f32 copies its dots need), so a bf16 plan's collectives carry
+    f32 on CPU, twice the predicted bytes; GPUs keep them 16-bit. Say so where it explains a
+    ratio of 2."""
     if policy.param_dtype == "float32":
         return rows
     import jax
     for r in rows:
         if r["ratio"] and abs(r["ratio"] - 2) < 0.05 and jax.default_backend() == "cpu":
             r["note"] = (r["note"] + "; " if r["note"] else "") + \
-                "carried in f32: XLA:CPU upcasts 16-bit operands before partitioning"
+                "carried in f32: XLA:CPU widens bf16 collectives after partitioning"
     return rows
 
 

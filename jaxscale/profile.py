@@ -37,8 +37,8 @@ def live_arrays() -> tuple[int, int, Counter]:
     total = 0
     kinds: Counter = Counter()
     for a in arrs:
-        try:
-            total += sum(s.data.nbytes for s in a.addressable_shards)
+        try:   # (reading shard.data would create per-device views that live on and count twice)
+            total += a.on_device_size_in_bytes()
         except Exception:   # deleted (donated) between listing and reading
             continue
         kinds[f"{tuple(a.shape)}:{a.dtype}"] += 1

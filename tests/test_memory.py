@@ -193,7 +193,7 @@ def test_zero_census_moves_2_or_3_psi(stage, psi):
     # reduce-scatter. Either way it is one message of Psi gradient elements (bf16).
     assert set(kinds) == {"all-reduce", "all-gather"}
     n = cfg.model.param_count()
-    # bf16 tensors travel as f32 on XLA:CPU (it upcasts 16-bit operands before partitioning)
+    # bf16 tensors travel as f32 on XLA:CPU (it widens bf16 collectives after partitioning)
     elem = 4 if jax.default_backend() == "cpu" else 2
     moved = sum(r["bytes"] for r in rows) / elem
     assert abs(moved / (psi * n) - 1) < 0.05, (stage, moved / n)
