@@ -5,7 +5,6 @@ group of H/K query heads shares one key/value head; the K/V are never repeated i
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
