@@ -28,6 +28,7 @@ from jaxscale.bench.collectives import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)      # before jax is imported
 
+from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
 import models  # noqa: E402
@@ -79,9 +80,7 @@ def census_table(rows: list[dict]) -> str:
 
 
 def plot(rows, pair, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if pair else 1, figsize=(12 if pair else 6, 4.5), squeeze=False)
     ax = axes[0][0]
     ns = [r["dp"] for r in rows]
@@ -100,9 +99,7 @@ def plot(rows, pair, path: Path) -> None:
         ax.set(xlabel="step", ylabel="train loss (nats/token)",
                title=f"same weights and data; max |diff| {max(pair['loss_abs_diff']):.1e}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from jaxscale.bench.collectives import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)      # before jax is imported
 
+from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
 import models  # noqa: E402
@@ -88,9 +89,7 @@ def census_table(rows: list[dict]) -> str:
 
 
 def plot(rows, pairs, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3 if pairs else 1, figsize=(16 if pairs else 6, 4.5),
                              squeeze=False)
     ax = axes[0][0]
@@ -126,9 +125,7 @@ def plot(rows, pairs, path: Path) -> None:
                label="rest of peak")
         ax.set(ylabel="MiB per rank", title="peak: JAX compiled | torch MemTracker")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

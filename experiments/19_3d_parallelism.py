@@ -33,6 +33,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import pyplot, savefig  # noqa: E402
 import models  # noqa: E402
 from jaxscale import hardware, planner  # noqa: E402
 from jaxscale.config import Config, DataConfig, apply_overrides  # noqa: E402
@@ -149,9 +150,7 @@ def main() -> int:
 
 
 def _plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     parts = ("params", "grads", "master", "optimizer", "acts")
     fig, ax = plt.subplots(figsize=(10, 4.8))
     labels = [f"{r['layout']}\n" + r["variant"].replace(", ", "\n") for r in rows]
@@ -167,9 +166,7 @@ def _plot(rows, path):
     ax.set_ylabel("per-GPU memory (GB)")
     ax.set_title("published 3D layouts: per-GPU memory by activation strategy", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    savefig(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

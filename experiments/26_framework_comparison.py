@@ -32,6 +32,7 @@ from jaxscale.bench.collectives import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)      # before jax is imported
 
+from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
 import models  # noqa: E402
@@ -51,9 +52,7 @@ def base_config(steps: int) -> Config:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     names = [r["pair"] for r in results]
     ax = axes[0]
@@ -88,9 +87,7 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), names)
     ax.set(ylabel="collective ops per step", title="collectives issued per step")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

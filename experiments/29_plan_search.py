@@ -30,6 +30,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -135,9 +136,7 @@ def main() -> int:
 
 
 def _plot(rows, budget, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     x = range(len(rows))
     mib = 2 ** 20
@@ -150,9 +149,7 @@ def _plot(rows, budget, path):
     ax.set_ylabel("per-device memory (MiB)")
     ax.set_title("plan search on cpu8: the pick, runners-up and rejected plans, compiled", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    savefig(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -91,10 +91,17 @@ def pyplot():
 
 def save(fig, out: str, name: str) -> str:
     path = os.path.join(out, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    savefig(fig, path)
     print(f"wrote {path}")
     return path
+
+
+def savefig(fig, path, dpi: int = 110) -> None:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    fig.clf()
+    pyplot().close(fig)
 
 
 def grad_bytes(setup) -> int:
