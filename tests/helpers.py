@@ -1,5 +1,6 @@
 """Shared test builders: small configs on the simulated 8-device CPU."""
 import dataclasses
+import os
 
 import meshes
 import models
@@ -22,3 +23,19 @@ PLANS = {
     "tp8": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=8", "model.n_kv_heads=8"),
     "dp2xfsdp2xtp2": ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"),
 }
+
+
+#: `--set` flags for a small CLI run (subprocess tests); lr does not depend on train.steps.
+SMALL_ARGS = ["--set", "model.n_layers=2", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
+              "--set", "data.max_bytes=400000", "--set", "train.eval_every=0",
+              "--set", "optim.decay_steps=100"]
+
+
+def subprocess_env(tmp_path_factory) -> dict:
+    """Environment for CLI subprocesses: CPU, unbuffered, one compilation cache for the session."""
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env

@@ -23,21 +23,11 @@ from jaxscale import config as config_lib
 from jaxscale.cli import main
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train import setup as setup_lib
+from tests.helpers import SMALL_ARGS, subprocess_env
 
-SMALL = ["--set", "model.n_layers=2", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
-         "--set", "data.max_bytes=400000", "--set", "train.eval_every=0",
-         "--set", "optim.decay_steps=100"]      # lr independent of train.steps
+SMALL = SMALL_ARGS
 EXACT = ("loss", "grad_norm", "lr", "skipped")
 REF_STEPS = 40
-
-
-def subprocess_env(tmp_path_factory) -> dict:
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
 
 
 def train_argv(out, steps, *extra) -> list[str]:

@@ -1,6 +1,5 @@
 """Memory strategies: precision, loss scaling, accumulation, remat, ZeRO, offload, donation, leaks."""
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import pytest
 from jaxscale import inspect
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
-from jaxscale.train.state import state_bytes
+from jaxscale.train.state import named_shardings, state_bytes
 from tests.helpers import tiny_config
 
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
@@ -172,9 +171,7 @@ def test_zero_model_state_bytes_per_param(stage, expected):
     batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4 // 8
     # gradients in their planned sharding, as the compiled gradient program outputs them
     spec_tree = setup.layout.shard_specs if stage >= 2 else setup.layout.param_specs
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    grad_sh = jax.tree.map(lambda s: NamedSharding(setup.plan.mesh, s), spec_tree,
-                           is_leaf=lambda x: isinstance(x, P))
+    grad_sh = named_shardings(setup.plan, spec_tree)
     fn = lambda p, b: jax.tree.map(lambda g: g.astype(jnp.bfloat16), setup.grads_fn(p, b)[0])
     gc = jax.jit(fn, out_shardings=grad_sh).lower(setup.abstract_state().params,
                                                   setup.abstract_batch()).compile()

@@ -14,21 +14,15 @@ import numpy as np
 import pytest
 
 from jaxscale import checkpoint as ckpt_lib
+from tests.helpers import SMALL_ARGS, subprocess_env
 
-SMALL = ["--set", "model.n_layers=2", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
-         "--set", "data.max_bytes=400000", "--set", "train.eval_every=0",
-         "--set", "optim.decay_steps=100"]
+SMALL = SMALL_ARGS
 FAIL_BOUND_S = 30       # a dead process's peers are gone within this (launch.py: under a second)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
+    return subprocess_env(tmp_path_factory)
 
 
 def train(out, steps, *extra) -> list[str]:

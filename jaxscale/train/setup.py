@@ -28,7 +28,8 @@ class Setup:
     optimizer: Any
     schedule: Any
     layout: state_lib.StateLayout
-    state_shardings: state_lib.TrainState
+    state_shardings: state_lib.TrainState         # where the state lives (memory kinds included)
+    device_shardings: state_lib.TrainState        # the same, all in device memory (compute)
     train_step: Any          # jitted
     eval_step: Any           # jitted
     grads_fn: Any            # (params, batch, scale) -> (grads, loss, tokens); pure, for tools
@@ -36,13 +37,12 @@ class Setup:
     def jit_grads(self):
         """`grads_fn` jitted with the plan's shardings (parameters in device memory)."""
         from jaxscale.axes import use_rules
-        dev = state_lib.state_shardings(self.model, self.optimizer, self.plan, self.layout,
-                                        on_device=True)
 
         def f(params, batch, scale=1.0):
             with use_rules(self.plan.mesh, self.plan.rules):
                 return self.grads_fn(params, batch, scale)
-        jitted = jax.jit(f, in_shardings=(dev.params, self.batch_shardings(), None))
+        jitted = jax.jit(f, in_shardings=(self.device_shardings.params, self.batch_shardings(),
+                                            None))
         return lambda params, batch, scale=1.0: jitted(params, batch, jnp.float32(scale))
 
     def init_state(self) -> state_lib.TrainState:
@@ -87,5 +87,5 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, plan, dev_sh.params),
                                        host_sh, plan)
     grads_fn = step_lib.make_grads_fn(model, plan, cfg.plan.accumulate, wrapper)
-    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, train_step, eval_step,
-                 grads_fn)
+    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
+                 eval_step, grads_fn)

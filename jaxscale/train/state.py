@@ -106,7 +106,8 @@ def layout(model: FunctionalModel, plan, policy, plan_cfg) -> StateLayout:
                        offload=offload.parse(plan_cfg.offload), zero=z)
 
 
-def _named(plan, specs, kind=None):
+def named_shardings(plan, specs, kind=None):
+    """A tree of mesh PartitionSpecs -> NamedShardings on the plan's mesh (in memory `kind`)."""
     return jax.tree.map(lambda sp: NamedSharding(plan.mesh, sp, memory_kind=kind), specs,
                         is_leaf=_is_spec)
 
@@ -122,12 +123,12 @@ def state_shardings(model: FunctionalModel, optimizer, plan, lay: StateLayout,
     opt_target = lay.shard_specs if (lay.master or lay.zero) else lay.param_specs
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt,
-                                   _named(plan, opt_target, kind("optimizer")),
+                                   named_shardings(plan, opt_target, kind("optimizer")),
                                    transform_non_params=lambda _: plan.replicated())
     rep = plan.replicated()
     return TrainState(
-        step=rep, params=_named(plan, lay.param_specs, kind("params")), opt_state=opt_sh,
-        master=_named(plan, lay.shard_specs, kind("master")) if lay.master else None,
+        step=rep, params=named_shardings(plan, lay.param_specs, kind("params")), opt_state=opt_sh,
+        master=named_shardings(plan, lay.shard_specs, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None)
 
 

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jaxscale.axes import use_rules
 from jaxscale.strategies import accumulate
 from jaxscale.strategies.precision import cast_tree, update_loss_scale
-from jaxscale.train.state import FunctionalModel, StateLayout, TrainState
+from jaxscale.train.state import FunctionalModel, StateLayout, TrainState, named_shardings
 
 
 def batch_logical() -> dict[str, tuple[str, ...]]:
@@ -81,7 +81,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             grads, loss, ntok = grads_fn(params, batch, scale)
             grad_specs = lay.shard_specs if lay.zero >= 2 else lay.param_specs
-            grads = jax.lax.with_sharding_constraint(grads, _specs_to_sharding(mesh, grad_specs))
+            grads = jax.lax.with_sharding_constraint(grads, named_shardings(plan, grad_specs))
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             target = master if master is not None else params
@@ -105,11 +105,6 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
         return new_state, metrics
 
     return train_step
-
-
-def _specs_to_sharding(mesh, specs):
-    from jax.sharding import PartitionSpec as P
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def make_eval_step(model: FunctionalModel, plan, device_param_sh):
