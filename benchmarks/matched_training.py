@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxscale.bench.torch_collectives import TorchFailure, TorchJob, _free_port
 
-from benchmarks.matched_report import format_collectives, format_table, plot  # noqa: E402,F401
+from jaxscale.benchmarks.matched_report import format_collectives, format_table, plot  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = {"dp": ("DDP", "jaxscale DP"), "fsdp": ("FSDP2", "jaxscale FSDP"),
@@ -88,7 +88,7 @@ class Trainer:
     def __init__(self, spec: dict, rank: int, world: int, device):
         import torch
 
-        from benchmarks.torch_llama import (AdamWLikeOptax, TorchLlama, TorchLlamaConfig,
+        from jaxscale.benchmarks.torch_llama import (AdamWLikeOptax, TorchLlama, TorchLlamaConfig,
                                             parallelize)
         self.mode, self.device, self.world = spec["mode"], device, world
         model = TorchLlama(TorchLlamaConfig(**spec["model"]))
@@ -216,7 +216,7 @@ class TrainJob(TorchJob):
                    JAXSCALE_TORCH_TIMEOUT=str(timeout),
                    PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get(
                        "PYTHONPATH", "").split(os.pathsep) if p]))
-        code = "from benchmarks.matched_training import worker; worker()"
+        code = "from jaxscale.benchmarks.matched_training import worker; worker()"
         self.procs, self._lines = [], queue.Queue()
         for r in range(world):
             with open(self.logdir / f"rank{r}.log", "w") as log:
@@ -299,8 +299,8 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
              wait_ready, log) -> dict:
     import jax
 
-    from benchmarks.torch_llama import TorchLlamaConfig
-    from jaxscale.inspect import census, memory
+    from jaxscale.benchmarks.torch_llama import TorchLlamaConfig
+    from jaxscale.compiled import census, memory
     from jaxscale.train.setup import build
     from jaxscale.train.state import TrainState, state_bytes
     cfg = pair_config(base_cfg, mode, world, hsdp_dp)
@@ -386,7 +386,7 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
 
 # ============================================================================ report
 def base_config(args):
-    import models
+    from jaxscale import models
     from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
     model = dataclasses.replace(models.get(args.model), n_layers=args.layers)
     cfg = Config(name="matched_training", model=model,

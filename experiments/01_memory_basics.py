@@ -33,11 +33,11 @@ import _common as C  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxscale import hardware, inspect  # noqa: E402
+from jaxscale import hardware, compiled  # noqa: E402
 from jaxscale.kernels.reference import reference_attention  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
-import models  # noqa: E402
+from jaxscale import models  # noqa: E402
 
 RUNS = [("tiny", 2, ("plan.precision=fp32",)), ("tiny", 2, ("plan.precision=bf16",)),
         ("tiny", 2, ("plan.precision=bf16", "plan.zero=3")),
@@ -48,7 +48,7 @@ SEQ, BATCH = 128, 16
 def breakdown(model: str, n_layers: int, plan: tuple) -> dict:
     cfg = C.config(*C.DP8, *plan, model=model, n_layers=n_layers, seq=SEQ, batch=BATCH)
     setup = build(cfg)
-    mem = inspect.memory(setup.lower_train_step().compile())
+    mem = compiled.memory(setup.lower_train_step().compile())
     parts = {k: sum(v.values()) for k, v in state_bytes(setup.abstract_state()).items()}
     grads = C.grad_bytes(setup)
     psi, prec, zero = cfg.model.param_count(), cfg.plan.precision, cfg.plan.zero

@@ -25,7 +25,7 @@ import _common as C  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import inspect  # noqa: E402
+from jaxscale import compiled  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -34,7 +34,7 @@ KS, SEQ, BATCH = (1, 2, 4, 8), 64, 64
 
 def temp_bytes(k: int, batch: int) -> int:
     cfg = C.config(*C.DP8, f"plan.accumulate={k}", seq=SEQ, batch=batch)
-    return inspect.memory(build(cfg).lower_train_step().compile())["temp"]
+    return compiled.memory(build(cfg).lower_train_step().compile())["temp"]
 
 
 def grads(k: int, rows: dict):

@@ -35,8 +35,8 @@ import _common as C  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import models  # noqa: E402
-from jaxscale import hardware, inspect  # noqa: E402
+from jaxscale import models  # noqa: E402
+from jaxscale import hardware, compiled  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -68,7 +68,7 @@ def placement(offload: str, batches) -> dict:
         state, m = compiled(state, b)
         losses.append(float(m["loss"]))
     return {"offload": offload, "device": inputs["device"], "host": inputs["pinned_host"],
-            "host_out": outputs["pinned_host"], "flops": inspect.flops(compiled)["dot_flops"],
+            "host_out": outputs["pinned_host"], "flops": compiled.flops(compiled)["dot_flops"],
             "losses": losses, "psi": cfg.model.param_count()}
 
 
@@ -100,7 +100,7 @@ def main():
 
     cfg = C.config(*C.DP8, "plan.precision=bf16", "plan.remat=offload", seq=SEQ, batch=BATCH)
     setup = build(cfg)
-    act = inspect.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
+    act = compiled.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
                                              setup.abstract_batch()) / 8
     m = cfg.model
     per_layer = BATCH // 8 * SEQ * (2 * m.n_heads * m.hd + 2 * m.n_kv_heads * m.hd

@@ -1,7 +1,7 @@
 """python experiments/07_data_parallel.py [--out runs/07_data_parallel] [--steps 30] [--no-torch]
 
 Topic 07: data parallelism. Two parts, in one run on the 8 simulated CPU devices:
-1. The census of the compiled jaxscale DP step (`jaxscale.inspect.report`) for dp = 2, 4, 8 on the
+1. The census of the compiled jaxscale DP step (`jaxscale.compiled.report`) for dp = 2, 4, 8 on the
    tiny LLaMA: the gradient all-reduce over `dp` carries exactly the gradient bytes (= fp32
    parameter bytes) whatever the degree, its ring wire bytes grow as 2(n-1)/n, no other
    collective appears, and the per-device memory keeps the whole model state (replicated) while
@@ -31,10 +31,10 @@ ensure_host_devices(8)      # before jax is imported
 from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
-import models  # noqa: E402
+from jaxscale import models  # noqa: E402
 from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
                              apply_overrides)
-from jaxscale.inspect import report  # noqa: E402
+from jaxscale.compiled import report  # noqa: E402
 
 MiB = 2**20
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "dp_census.json").write_text(json.dumps(rows, indent=2))
     pair = None
     if not args.no_torch:
-        from benchmarks.matched_training import format_collectives, format_table, run_pairs
+        from jaxscale.benchmarks.matched_training import format_collectives, format_table, run_pairs
         from jaxscale.bench.torch_collectives import TorchFailure
         try:
             pair = run_pairs(["dp"], cfg, args.world, args.steps, warmup=2, chunk=4,

@@ -35,7 +35,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import _common as C  # noqa: E402
 
-from jaxscale import hlo, inspect  # noqa: E402
+from jaxscale import hlo, compiled  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 N = 8
@@ -78,11 +78,11 @@ def main():
             setup = build(cfg)
             compiled, part = C.compile_partitioned(setup, os.path.join(tmp, str(z)))
             psi = cfg.model.param_count()
-            state = inspect.memory(compiled)["argument"] - C.batch_bytes(cfg)
+            state = compiled.memory(compiled)["argument"] - C.batch_bytes(cfg)
             grads = C.grad_bytes(setup)
             el = {k: v / psi for k, v in comm_elements(part).items()}
             res[z] = {"state": state, "grads": grads, "per_param": (state + grads) / psi,
-                      "comm": el, "census": inspect.census(compiled.as_text(), setup.plan.mesh),
+                      "comm": el, "census": compiled.census(compiled.as_text(), setup.plan.mesh),
                       "psi": psi}
     rows = []
     for z, r in res.items():

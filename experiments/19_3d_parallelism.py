@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import pyplot, savefig  # noqa: E402
-import models  # noqa: E402
+from jaxscale import models  # noqa: E402
 from jaxscale import hardware, planner  # noqa: E402
 from jaxscale.config import Config, DataConfig, apply_overrides  # noqa: E402
 from jaxscale.mesh import MeshConfig  # noqa: E402
@@ -91,11 +91,11 @@ def llama_row():
 def compiled_2x2x2():
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    from jaxscale import inspect
+    from jaxscale import compiled
     from jaxscale.planner import validate
     from tests.helpers import PLANS, tiny_config
     cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"])
-    return validate.compare(planner.predict(cfg), inspect.report(cfg))
+    return validate.compare(planner.predict(cfg), compiled.report(cfg))
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import _common as C  # noqa: E402
 
 from jaxscale import allocator_sim as sim  # noqa: E402
-from jaxscale import hlo, inspect  # noqa: E402
+from jaxscale import hlo, compiled  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 NO_BUFFER = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "while",
@@ -64,7 +64,7 @@ def main():
     for name, over in CONFIGS.items():
         compiled = build(C.config(*C.DP8, *over, seq=128, batch=16)).lower_train_step().compile()
         once, trips = buffer_sums(compiled.as_text())
-        xla[name] = {"temp": inspect.memory(compiled)["temp"], "once": once, "trips": trips}
+        xla[name] = {"temp": compiled.memory(compiled)["temp"], "once": once, "trips": trips}
         claims.check(f"{name}: temp / sum of instruction buffers", xla[name]["temp"] / once,
                      "< 0.5", xla[name]["temp"] < 0.5 * once)
     print(C.table(["train step", "sum of buffers MiB", "x loop trips MiB", "compiled temp MiB",

@@ -1,6 +1,6 @@
 """python experiments/21_memory_profiling.py [--out runs/exp21] [--steps 8]
 
-Topic 21: memory monitoring and profiling. `jaxscale.profile.profile` (what `jaxscale profile`
+Topic 21: memory monitoring and profiling. `jaxscale.profiling.profile` (what `jaxscale profile`
 runs) trains the tiny model (2 layers, dp=8, batch 8 x 32) for `--steps` steps twice:
 
 - clean: the train loop as it should be (the donated state is replaced every step);
@@ -27,7 +27,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.profile import format_table, profile  # noqa: E402
+from jaxscale.profiling import format_table, profile  # noqa: E402
 
 
 def main():

@@ -35,8 +35,8 @@ ensure_host_devices(8)      # before jax is imported
 from _common import pyplot, savefig  # noqa: E402
 import jax  # noqa: E402
 
-import models  # noqa: E402
-from benchmarks.matched_training import format_collectives, format_table, run_pairs  # noqa: E402
+from jaxscale import models  # noqa: E402
+from jaxscale.benchmarks.matched_training import format_collectives, format_table, run_pairs  # noqa: E402
 from jaxscale.bench.torch_collectives import TorchFailure  # noqa: E402
 from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig  # noqa: E402
 

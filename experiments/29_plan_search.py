@@ -35,7 +35,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import inspect, planner  # noqa: E402
+from jaxscale import compiled, planner  # noqa: E402
 from jaxscale.planner import report, search  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
 from jaxscale.planner.spec import Spec  # noqa: E402
@@ -60,7 +60,7 @@ def to_overrides(spec: Spec) -> list[str]:
 
 def compile_plan(spec: Spec) -> dict:
     cfg = tiny_config(*BASE, *to_overrides(spec))
-    rep = inspect.report(cfg)
+    rep = compiled.report(cfg)
     return {"memory": rep["memory"]["total"], "flops": rep["flops"]["dot_flops"],
             "wire": sum(c["wire_bytes"] for c in rep["collectives"])}
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import meshes  # noqa: E402
-import models  # noqa: E402
+from jaxscale import meshes  # noqa: E402
+from jaxscale import models  # noqa: E402
 from jaxscale import planner  # noqa: E402
 from jaxscale.config import Config, DataConfig  # noqa: E402
 from jaxscale.planner import search  # noqa: E402

@@ -11,8 +11,8 @@ import os
 import re
 import sys
 
-import meshes
-import models
+from jaxscale import meshes
+from jaxscale import models
 from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
 
 MiB = 2 ** 20
@@ -111,7 +111,7 @@ def grad_bytes(setup) -> int:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxscale import inspect
+    from jaxscale import compiled
     from jaxscale.axes import use_rules
     from jaxscale.train.step import token_loss
     specs = setup.layout.shard_specs if setup.layout.zero >= 2 else setup.layout.param_specs
@@ -128,7 +128,7 @@ def grad_bytes(setup) -> int:
     with jax.set_mesh(setup.plan.mesh):
         c = jax.jit(grads, out_shardings=out_sh).lower(setup.abstract_state().params,
                                                        setup.abstract_batch()).compile()
-    return inspect.memory(c)["output"]
+    return compiled.memory(c)["output"]
 
 
 def batch_bytes(cfg, n_devices: int = 8) -> int:

@@ -4,12 +4,13 @@
     python experiments/planner_validation.py --update-docs   # also rewrite docs/planner.md's table
     python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
 
-Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `tests/helpers.py`
+Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `jaxscale.planner.validate`
 `tiny_config`) or the small one on the 8 simulated CPU devices, and compares, per device:
 argument+output bytes (tolerance 5%), temp bytes (15%), every (collective kind, mesh axes) of the
 census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and the LM head's optional
 backward all-gather are handled by `jaxscale.planner.validate`, and each row says so), and
-matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in CASES.
+matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
+`jaxscale.planner.validate.CASES`.
 """
 from __future__ import annotations
 
@@ -30,44 +31,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import inspect, planner  # noqa: E402
+from jaxscale import compiled, planner  # noqa: E402
 from jaxscale.planner import validate  # noqa: E402
-from tests.helpers import PLANS, tiny_config  # noqa: E402
-
-SMALL = ("model.dim=256", "model.ffn_dim=768", "model.n_layers=4", "data.seq_len=64",
-         "data.batch_size=16")
-#: name -> overrides on top of tiny_config(); extend as strategies land.
-CASES: dict[str, tuple[str, ...]] = {
-    **PLANS,
-    **{f"{name}/small": (*ov, *SMALL) for name, ov in PLANS.items()},
-    "dp8 zero1": (*PLANS["dp8"], "plan.zero=1"),
-    "dp8 zero2": (*PLANS["dp8"], "plan.zero=2"),
-    "dp8 zero3": (*PLANS["dp8"], "plan.zero=3"),
-    "dp2xfsdp2xtp2 zero1": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=1"),
-    "dp2xfsdp2xtp2 zero2": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=2"),
-    "dp2xfsdp2xtp2 zero3": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=3"),
-    "dp8 bf16": (*PLANS["dp8"], "plan.precision=bf16"),
-    "fsdp8 bf16": (*PLANS["fsdp8"], "plan.precision=bf16"),
-    "tp8 bf16": (*PLANS["tp8"], "plan.precision=bf16"),
-    "dp8 remat=full": (*PLANS["dp8"], "plan.remat=full"),
-    "dp8 remat=save_dots": (*PLANS["dp8"], "plan.remat=save_dots"),
-    "dp8 remat=save_attention_out": (*PLANS["dp8"], "plan.remat=save_attention_out"),
-    "dp8 remat=offload": (*PLANS["dp8"], "plan.remat=offload"),
-    "tp8 remat=full": (*PLANS["tp8"], "plan.remat=full"),
-    "dp8 acc2": (*PLANS["dp8"], "plan.accumulate=2", "data.batch_size=16"),
-    "fsdp8 acc2": (*PLANS["fsdp8"], "plan.accumulate=2", "data.batch_size=16"),
-    "dp8 offload=optimizer": (*PLANS["dp8"], "plan.offload=optimizer"),
-    "fsdp8 bf16 remat=full acc2": (*PLANS["fsdp8"], "plan.precision=bf16", "plan.remat=full",
-                                   "plan.accumulate=2", "data.batch_size=16"),
-    "dp2xfsdp2xtp2 bf16 remat=save_dots": (*PLANS["dp2xfsdp2xtp2"], "plan.precision=bf16",
-                                           "plan.remat=save_dots"),
-}
-
+from jaxscale.planner.validate import CASES, tiny_config  # noqa: E402
 
 def run(name: str) -> dict:
     cfg = tiny_config(*CASES[name])
     t0 = time.perf_counter()
-    rep = inspect.report(cfg)
+    rep = compiled.report(cfg)
     cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
     cmp["case"], cmp["compile_s"] = name, time.perf_counter() - t0
     return cmp

@@ -66,17 +66,17 @@ def cmd_launch(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from jaxscale import inspect
-    rep = inspect.report(_load(args))
-    print(json.dumps(rep, indent=2) if args.json else inspect.format_report(rep))
+    from jaxscale import compiled
+    rep = compiled.report(_load(args))
+    print(json.dumps(rep, indent=2) if args.json else compiled.format_report(rep))
     return 0
 
 
 def cmd_profile(args) -> int:
-    from jaxscale import profile
+    from jaxscale import profiling
     cfg = _load(args)
-    res = profile.profile(cfg, steps=args.steps, out=args.out)
-    print(profile.format_table(res))
+    res = profiling.profile(cfg, steps=args.steps, out=args.out)
+    print(profiling.format_table(res))
     print(f"trace, memory.prof, live_arrays.jsonl, memory_timeline.png in {res['out']}")
     return 1 if res["leak"] else 0
 

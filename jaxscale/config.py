@@ -14,10 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import meshes
-import models
+from jaxscale import meshes
+from jaxscale import models
 from jaxscale.mesh import MeshConfig
-from models.llama import ModelConfig, RopeScaling
+from jaxscale.models.llama import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)

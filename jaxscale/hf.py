@@ -30,7 +30,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from models.llama import ModelConfig, RopeScaling
+from jaxscale.models.llama import ModelConfig, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"

@@ -1,7 +1,7 @@
 """Published LLaMA configurations (exact parameter counts) and tiny ones for tests and CPU runs."""
 from __future__ import annotations
 
-from models.llama import ModelConfig, RopeScaling
+from jaxscale.models.llama import ModelConfig, RopeScaling
 
 CONFIGS: dict[str, ModelConfig] = {
     # byte-level vocabulary (256 bytes + pad/bos/eos, rounded up to 320 so tp up to 64 divides it)

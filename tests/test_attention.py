@@ -208,7 +208,7 @@ def test_blockwise_memory_is_linear_xla_is_not():
 
 
 def llama_step(impl, tokens, segment_ids):
-    from models import Llama, get
+    from jaxscale.models import Llama, get
     cfg = dataclasses.replace(get("tiny"), attention=impl)
     graphdef, params, rest = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import collectives as C
+from jaxscale import collective_algorithms as C
 from jaxscale.bench import collectives as bench
 from jaxscale.mesh import MeshConfig, make_mesh
 

@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-import meshes
+from jaxscale import meshes
 from jaxscale import config as C
 from jaxscale.mesh import MeshConfig, make_mesh
 from tests.helpers import tiny_config

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jaxscale import models
 from jaxscale.train.state import FunctionalModel
 from jaxscale.train.step import token_loss
 
@@ -60,7 +60,7 @@ def test_scan_and_unrolled_layers_agree():
 
 
 def test_rope_scaling_changes_only_low_frequencies():
-    from models.llama import rope_frequencies
+    from jaxscale.models.llama import rope_frequencies
     base = models.get("llama3-8b")
     scaled = models.get("llama3.1-8b")
     a, b = np.asarray(rope_frequencies(base)), np.asarray(rope_frequencies(scaled))

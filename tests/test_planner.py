@@ -7,9 +7,9 @@ import time
 import jax
 import pytest
 
-import meshes
-import models
-from jaxscale import inspect, planner
+from jaxscale import meshes
+from jaxscale import models
+from jaxscale import compiled, planner
 from jaxscale.config import Config, DataConfig, apply_overrides
 from jaxscale.mesh import MeshConfig
 from jaxscale.planner import activations, gpt, memory, params, search, validate
@@ -21,7 +21,7 @@ from tests.helpers import PLANS, tiny_config
 @functools.lru_cache(maxsize=None)
 def _compiled(plan):
     cfg = tiny_config(*PLANS[plan])
-    return cfg, inspect.report(cfg)
+    return cfg, compiled.report(cfg)
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

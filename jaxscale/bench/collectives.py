@@ -19,7 +19,7 @@ The two alternate at every size and kind (JAX, then torch), so drift hits both. 
 slowest rank counts) and the point's time is the median. algbw = S / time, busbw = algbw x factor
 (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast, permute 1), and
 the JAX/torch busbw ratio is reported per size. The hand-written all-reduces of
-`jaxscale.collectives` (ring, halving-doubling, recursive doubling; hierarchical over 2 simulated
+`jaxscale.collective_algorithms` (ring, halving-doubling, recursive doubling; hierarchical over 2 simulated
 nodes of n/2 devices) run at every size beside `psum`, with the alpha-beta prediction whose alpha
 and bandwidth are fitted to measured JAX ring shifts (one ppermute = one algorithm step; calls of
 1 and of 2(n-1) shifts separate the per-step cost from the cost of launching a jitted call).
@@ -96,7 +96,7 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def busbw_factor(kind: str, n: int) -> float:
-    from jaxscale.collectives import busbw_factor as f
+    from jaxscale.collective_algorithms import busbw_factor as f
     return f(kind, n)
 
 
@@ -182,7 +182,7 @@ class JaxSide:
     def time_all_reduce(self, algorithm: str, nbytes: int, iters: int, warmup: int,
                         check: bool = False) -> list[float]:
         from jax.sharding import PartitionSpec as P
-        from jaxscale import collectives as C
+        from jaxscale import collective_algorithms as C
         two = algorithm == "hierarchical"
         mesh, axes = (self.mesh2, ("dp", "fsdp")) if two else (self.mesh, ("dp",))
         fn = C.all_reduce_fn(mesh, axes, algorithm)
@@ -222,7 +222,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> dict:
     """Run the sweep; returns a JSON-able dict (see `save`). Imports jax on first call."""
     cfg.validate()
     import jax
-    from jaxscale import collectives as C
+    from jaxscale import collective_algorithms as C
     n_dev = len(jax.devices())
     world = cfg.world or n_dev
     if world > n_dev:

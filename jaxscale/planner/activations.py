@@ -36,7 +36,7 @@ Splits. "residual stream" tensors are replicated over `tp` unless Megatron seque
 splits them over `tp` too; "tp" tensors are split t ways; context parallelism over `sp` splits
 every token-indexed tensor sp ways (the scores keep their full key length s).
 
-Remat policies (`plan.remat`, over the model's `checkpoint_name` tags `models.llama.TAGS`):
+Remat policies (`plan.remat`, over the model's `checkpoint_name` tags `jaxscale.models.llama.TAGS`):
 `none` keeps the table; `full` keeps only the layer input; `save_dots` keeps the layer input and
 the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down: JAX's
 `dots_with_no_batch_dims_saveable`); `save_attention_out` keeps the layer input and `attn_out`;

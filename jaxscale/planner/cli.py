@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 
 def build_config(args):
-    import models
-    import meshes
+    from jaxscale import models
+    from jaxscale import meshes
     from jaxscale import config as config_lib
     if args.experiment:
         cfg = config_lib.load_experiment(args.experiment)

@@ -77,7 +77,7 @@ class Leaf:
 
 
 def leaves(model, moe: MoE | None = None) -> list[Leaf]:
-    """Every parameter of `models.llama.Llama(model)` (stacked over `layers` when scanned)."""
+    """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when scanned)."""
     d, f, hd, H, K, V = (model.dim, model.ffn_dim, model.hd, model.n_heads, model.n_kv_heads,
                          model.vocab_size)
     per_layer = [

@@ -24,7 +24,7 @@ OFFLOADS = ("optimizer", "master", "params")
 
 @dataclass(frozen=True)
 class Spec:
-    model: object                       # models.llama.ModelConfig
+    model: object                       # jaxscale.models.llama.ModelConfig
     degrees: dict = field(default_factory=dict)
     dcn: dict = field(default_factory=dict)
     device_kind: str = "cpu"

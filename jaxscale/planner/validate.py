@@ -1,4 +1,4 @@
-"""Predicted vs compiled: the planner against `jaxscale.inspect.report` of the same config.
+"""Predicted vs compiled: the planner against `jaxscale.compiled.report` of the same config.
 
 Rows compared (ratios are predicted / compiled):
 - memory: argument + output bytes (`memory_analysis`), and temp;
@@ -13,6 +13,7 @@ comparison adds the planner's host-resident state to its argument + output bytes
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 TOLERANCE = {"argument+output": 0.05, "temp": 0.15, "collective": 0.02, "flops": 0.05}
@@ -80,3 +81,55 @@ def format_comparison(cmp: dict) -> str:
         lines.append(f"  {name:<38}{r['predicted']:>16,.0f}{r['compiled']:>16,.0f}  {ratio}"
                      + (f"  ({r['note']})" if r["note"] else ""))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the validation set
+def tiny_config(*overrides: str, **model_kw):
+    """The tiny LLaMA (2 layers, seq 32, batch 8) on the 8 simulated CPU devices (`cpu8`), with
+    `--set`-style overrides: what the tests and the validation compile."""
+    from jaxscale import meshes, models
+    from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
+    model = dataclasses.replace(models.get("tiny"), n_layers=2, **model_kw)
+    cfg = Config(name="test", model=model, mesh=meshes.get("cpu8"),
+                 data=DataConfig(seq_len=32, batch_size=8, max_bytes=400_000),
+                 optim=OptimConfig(lr=1e-3, warmup_steps=2),
+                 train=TrainConfig(steps=3, eval_every=0))
+    return apply_overrides(cfg, list(overrides))
+
+
+#: the single-strategy plans and the 2x2x2 mix on 8 devices
+PLANS = {
+    "dp8": ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1"),
+    "fsdp8": ("mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1"),
+    "tp8": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=8", "model.n_kv_heads=8"),
+    "dp2xfsdp2xtp2": ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"),
+}
+SMALL = ("model.dim=256", "model.ffn_dim=768", "model.n_layers=4", "data.seq_len=64",
+         "data.batch_size=16")
+#: name -> overrides on top of `tiny_config()`: every plan the planner is checked against the
+#: compiler on (`experiments/planner_validation.py`); extend as strategies land.
+CASES: dict[str, tuple[str, ...]] = {
+    **PLANS,
+    **{f"{name}/small": (*ov, *SMALL) for name, ov in PLANS.items()},
+    "dp8 zero1": (*PLANS["dp8"], "plan.zero=1"),
+    "dp8 zero2": (*PLANS["dp8"], "plan.zero=2"),
+    "dp8 zero3": (*PLANS["dp8"], "plan.zero=3"),
+    "dp2xfsdp2xtp2 zero1": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=1"),
+    "dp2xfsdp2xtp2 zero2": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=2"),
+    "dp2xfsdp2xtp2 zero3": (*PLANS["dp2xfsdp2xtp2"], "plan.zero=3"),
+    "dp8 bf16": (*PLANS["dp8"], "plan.precision=bf16"),
+    "fsdp8 bf16": (*PLANS["fsdp8"], "plan.precision=bf16"),
+    "tp8 bf16": (*PLANS["tp8"], "plan.precision=bf16"),
+    "dp8 remat=full": (*PLANS["dp8"], "plan.remat=full"),
+    "dp8 remat=save_dots": (*PLANS["dp8"], "plan.remat=save_dots"),
+    "dp8 remat=save_attention_out": (*PLANS["dp8"], "plan.remat=save_attention_out"),
+    "dp8 remat=offload": (*PLANS["dp8"], "plan.remat=offload"),
+    "tp8 remat=full": (*PLANS["tp8"], "plan.remat=full"),
+    "dp8 acc2": (*PLANS["dp8"], "plan.accumulate=2", "data.batch_size=16"),
+    "fsdp8 acc2": (*PLANS["fsdp8"], "plan.accumulate=2", "data.batch_size=16"),
+    "dp8 offload=optimizer": (*PLANS["dp8"], "plan.offload=optimizer"),
+    "fsdp8 bf16 remat=full acc2": (*PLANS["fsdp8"], "plan.precision=bf16", "plan.remat=full",
+                                   "plan.accumulate=2", "data.batch_size=16"),
+    "dp2xfsdp2xtp2 bf16 remat=save_dots": (*PLANS["dp2xfsdp2xtp2"], "plan.precision=bf16",
+                                           "plan.remat=save_dots"),
+}

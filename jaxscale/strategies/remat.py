@@ -1,6 +1,6 @@
 r"""Activation checkpointing (rematerialisation) as policies over the model's named activations.
 
-The model tags activations with `checkpoint_name` (`models.llama.TAGS`); each layer's pure
+The model tags activations with `checkpoint_name` (`jaxscale.models.llama.TAGS`); each layer's pure
 function is wrapped in `jax.checkpoint` with a policy saying, per name, save (keep for the
 backward), remat (recompute in the backward) or offload (keep in `pinned_host` memory):
 
@@ -25,7 +25,7 @@ from typing import Callable
 
 import jax
 
-from models.llama import TAGS
+from jaxscale.models.llama import TAGS
 
 POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
 OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")

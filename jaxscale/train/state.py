@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.llama import Llama, ModelConfig
+from jaxscale.models.llama import Llama, ModelConfig
 
 
 def _is_spec(x) -> bool:
