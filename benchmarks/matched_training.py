@@ -318,7 +318,7 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
     state = TrainState(step=jax.device_put(np.zeros((), np.int32), sh.step),
                        params=jax.device_put(init, sh.params),
                        opt_state=jax.device_put(setup.optimizer.init(init), sh.opt_state))
-    with jax.set_mesh(setup.plan.mesh):
+    with jax.set_mesh(setup.placement.mesh):
         compiled = setup.lower_train_step().compile()
     shard = setup.batch_shardings()
     job._expect("RESULT")
@@ -359,14 +359,14 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
     res = {
         "pair": mode, "torch_name": PAIRS[mode][0], "jax_name": PAIRS[mode][1], "world": world,
         "backend": job.backend, "steps": steps, "timed_steps": timed, "tokens_per_step": tokens,
-        "mesh": dict(zip(setup.plan.mesh.axis_names, map(int, setup.plan.mesh.devices.shape))),
+        "mesh": dict(zip(setup.placement.mesh.axis_names, map(int, setup.placement.mesh.devices.shape))),
         "jax": {"step_time_s": times[jax_chunk] / timed,
                 "tokens_per_s": tokens * timed / times[jax_chunk],
                 "loss": jl, "grad_norm": [float(m["grad_norm"]) for m in mets],
                 "state_bytes_per_device": sum(sum(sb.get(p, {}).values())
                                               for p in ("params", "opt_state")),
                 "peak_bytes_per_device": jmem["total"], "memory_analysis": jmem,
-                "census": census(compiled.as_text(), setup.plan.mesh)},
+                "census": census(compiled.as_text(), setup.placement.mesh)},
         "torch": {"step_time_s": times[torch_chunk] / timed,
                   "tokens_per_s": tokens * timed / times[torch_chunk],
                   "loss": tl, "grad_norm": torch_out["grad_norm"],

@@ -22,14 +22,9 @@ q, k, v and writes o once). Writes memory_breakdown.png (breakdown and roofline 
 """
 from __future__ import annotations
 
-import os
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

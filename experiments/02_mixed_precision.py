@@ -28,11 +28,7 @@ import os
 import tempfile
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -112,8 +108,8 @@ def main():
             setups[p] = build(cfg)
             compiled[p], parts[p] = C.compile_partitioned(setups[p], os.path.join(tmp, p))
             part = parts[p]
-            comm[p] = {"compiled": grad_all_reduce(compiled[p].as_text(), setups[p].plan.mesh),
-                       "partitioned": grad_all_reduce(part, setups[p].plan.mesh)}
+            comm[p] = {"compiled": grad_all_reduce(compiled[p].as_text(), setups[p].placement.mesh),
+                       "partitioned": grad_all_reduce(part, setups[p].placement.mesh)}
             curves[p] = train(setups[p], compiled[p], batches, args.steps)
     # underflow: same fp16 program, mask x 1e-7, loss scale 1 vs 2^20; and the unscaled program
     none = build(C.config(*C.DP8, "plan.precision=fp16", "plan.loss_scale=none", seq=SEQ,

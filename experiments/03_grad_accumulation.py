@@ -14,14 +14,9 @@ rows (8/k rows per device per micro-batch). It should fall k-fold; what stays is
 """
 from __future__ import annotations
 
-import os
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

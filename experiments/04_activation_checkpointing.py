@@ -29,14 +29,9 @@ Writes remat.png.
 """
 from __future__ import annotations
 
-import os
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -89,10 +84,10 @@ def measure(policy: str) -> dict:
             total, n = token_loss(setup.model.apply(p, batch["inputs"], block_wrapper=wrap),
                                   batch["targets"], batch["mask"])
             return total / n
-        with use_rules(setup.plan.mesh, setup.plan.rules):
+        with use_rules(setup.placement.mesh, setup.placement.rules):
             return jax.vjp(loss, params)[1]
     params = setup.abstract_state().params
-    with jax.set_mesh(setup.plan.mesh):
+    with jax.set_mesh(setup.placement.mesh):
         fwd = jax.jit(forward).lower(params, setup.abstract_batch()).compile()
     outs = jax.tree.leaves(fwd.out_info)
     nbytes = lambda x: int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize

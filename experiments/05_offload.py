@@ -24,14 +24,9 @@ state lives and how many bytes move, not how long they take.) Writes offload.png
 """
 from __future__ import annotations
 
-import os
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -58,17 +53,17 @@ def placement(offload: str, batches) -> dict:
                    batch=BATCH)
     setup = build(cfg)
     args = (setup.abstract_state(), setup.abstract_batch())
-    compiled = setup.lower_train_step().compile()
-    inputs = by_kind(compiled.input_shardings[0], args)
-    outputs = by_kind(compiled.output_shardings[0], args[0])
+    exe = setup.lower_train_step().compile()
+    inputs = by_kind(exe.input_shardings[0], args)
+    outputs = by_kind(exe.output_shardings[0], args[0])
     state, losses = setup.init_state(), []
     for i in range(3):
         b = {k: jax.device_put(v, setup.batch_shardings()[k])
              for k, v in batches.global_rows(i).items()}
-        state, m = compiled(state, b)
+        state, m = exe(state, b)
         losses.append(float(m["loss"]))
     return {"offload": offload, "device": inputs["device"], "host": inputs["pinned_host"],
-            "host_out": outputs["pinned_host"], "flops": compiled.flops(compiled)["dot_flops"],
+            "host_out": outputs["pinned_host"], "flops": compiled.flops(exe)["dot_flops"],
             "losses": losses, "psi": cfg.model.param_count()}
 
 

@@ -29,11 +29,7 @@ import re
 import tempfile
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 
 from jaxscale import hlo, compiled  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -76,13 +72,13 @@ def main():
         for z in range(4):
             cfg = C.config(*C.DP8, "plan.precision=bf16", f"plan.zero={z}")
             setup = build(cfg)
-            compiled, part = C.compile_partitioned(setup, os.path.join(tmp, str(z)))
+            exe, part = C.compile_partitioned(setup, os.path.join(tmp, str(z)))
             psi = cfg.model.param_count()
-            state = compiled.memory(compiled)["argument"] - C.batch_bytes(cfg)
+            state = compiled.memory(exe)["argument"] - C.batch_bytes(cfg)
             grads = C.grad_bytes(setup)
             el = {k: v / psi for k, v in comm_elements(part).items()}
             res[z] = {"state": state, "grads": grads, "per_param": (state + grads) / psi,
-                      "comm": el, "census": compiled.census(compiled.as_text(), setup.plan.mesh),
+                      "comm": el, "census": compiled.census(exe.as_text(), setup.placement.mesh),
                       "psi": psi}
     rows = []
     for z, r in res.items():

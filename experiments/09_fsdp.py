@@ -25,13 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the benchmarks package
-
-from jaxscale.bench.collectives import ensure_host_devices  # noqa: E402
-
-ensure_host_devices(8)      # before jax is imported
-
-from _common import pyplot, savefig  # noqa: E402
+from _common import pyplot, savefig  # first: 8 simulated devices before jax is imported
 import jax  # noqa: E402
 
 from jaxscale import models  # noqa: E402

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import _common  # noqa: F401  first: 8 simulated devices before jax is imported
 from jaxscale.bench import collectives as bench
-
-bench.ensure_host_devices(8)  # before jax is imported
-
-from jaxscale import collective_algorithms as C  # noqa: E402
+from jaxscale import collective_algorithms as C
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 INTRA = C.Link(alpha=5e-6, bandwidth=450e9)   # NVLink, per device

@@ -24,21 +24,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import cpu_only, pyplot, savefig  # first: 8 simulated devices before jax is imported
 
-from _common import pyplot, savefig  # noqa: E402
+cpu_only()
+
 from jaxscale import models  # noqa: E402
 from jaxscale import hardware, planner  # noqa: E402
 from jaxscale.config import Config, DataConfig, apply_overrides  # noqa: E402
 from jaxscale.mesh import MeshConfig  # noqa: E402
-from jaxscale.planner import gpt, perf  # noqa: E402
+from jaxscale.planner import gpt  # noqa: E402
+from jaxscale.strategies import pp  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
 
 GB = 1e9
@@ -73,10 +71,11 @@ def llama_row():
     rows = []
     for remat in ("none", "full"):
         c = apply_overrides(cfg, ["plan.precision=bf16", "plan.zero=1", "plan.accumulate=16",
-                                  f"plan.remat={remat}"])
-        pred = planner.predict(c, megatron_sp=True, schedule="interleaved", virtual=2)
+                                  f"plan.remat={remat}", "plan.sequence_parallel=true",
+                                  "plan.schedule=interleaved", "plan.virtual_stages=2"])
+        pred = planner.predict(c)
         m = pred.memory
-        bf = perf.bubble_fraction(pred.spec)
+        bf = pp.bubble_fraction(pred.spec)
         rows.append({"layout": "Llama 3 405B", "gpus": pred.spec.n_devices, "t/p/d": "8/16/128",
                      "variant": f"remat={remat}, megatron-sp, interleaved v2",
                      "published": remat == "full",
@@ -93,7 +92,7 @@ def compiled_2x2x2():
     jax.config.update("jax_default_matmul_precision", "highest")
     from jaxscale import compiled
     from jaxscale.planner import validate
-    from tests.helpers import PLANS, tiny_config
+    from jaxscale.planner.validate import PLANS, tiny_config
     cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"])
     return validate.compare(planner.predict(cfg), compiled.report(cfg))
 

@@ -16,15 +16,10 @@ Writes memory_timeline.png (both runs) next to each run's own files under --out.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
-import _common as C  # noqa: E402
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import numpy as np  # noqa: E402
 
 from jaxscale.profiling import format_table, profile  # noqa: E402

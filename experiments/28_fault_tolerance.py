@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import cpu_only  # first: 8 simulated devices before jax is imported
+
+cpu_only()      # part 2's training subprocesses inherit JAX_PLATFORMS
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import cpu_only, pyplot, savefig  # first: 8 simulated devices before jax is imported
 
-from _common import pyplot, savefig  # noqa: E402
+cpu_only()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -38,15 +35,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from jaxscale import compiled, planner  # noqa: E402
 from jaxscale.planner import report, search  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
-from jaxscale.planner.spec import Spec  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from jaxscale.plan import Spec, unavailable  # noqa: E402
+from jaxscale.planner.validate import tiny_config  # noqa: E402
 
 BASE = ("model.n_layers=4", "data.seq_len=64", "data.batch_size=16")
-
-
-def trainable(spec: Spec) -> bool:
-    """What the training code implements today: no pipeline, context or expert parallelism."""
-    return spec.deg("pp") == spec.deg("sp") == spec.deg("ep") == 1
 
 
 def to_overrides(spec: Spec) -> list[str]:
@@ -79,9 +71,8 @@ def main() -> int:
 
     cfg = tiny_config(*BASE, "model.n_kv_heads=8")
     t0 = time.perf_counter()
-    res = search.search(cfg, 8, limit=budget)
-    res.accepted = [p for p in res.accepted if trainable(p.spec)]
-    res.rejected = [(s, why) for s, why in res.rejected if trainable(s)]
+    res = search.search(cfg, 8, limit=budget)      # only plans train can run
+    res.rejected = [(s, why) for s, why in res.rejected if not unavailable(s)]
     print(f"searched in {time.perf_counter() - t0:.2f} s")
     search_table = report.format_search(res, top=8)
     print(search_table)
@@ -90,7 +81,7 @@ def main() -> int:
         return 1
     pick = res.accepted[0]
     # the rejected plans closest to the budget are the ones worth checking
-    over = sorted((planner.predict_spec(s) for s, why in res.rejected if "needs" in why),
+    over = sorted((planner.predict_spec(s) for s, why in res.rejected if why.startswith("needs")),
                   key=lambda p: p.memory.total)
     chosen = [("pick", pick)] + [("runner-up", p) for p in res.accepted[1:1 + args.compile]]
     chosen += [("rejected", p) for p in over[:args.compile]]

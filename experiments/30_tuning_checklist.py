@@ -34,8 +34,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from jaxscale import meshes  # noqa: E402
 from jaxscale import models  # noqa: E402
 from jaxscale import planner  # noqa: E402

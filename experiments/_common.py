@@ -1,23 +1,42 @@
-"""Helpers shared by the memory experiments (01-05, 08, 20-22): configs, claim checks, tables.
+"""Setup and helpers shared by the experiments: devices, configs, claim checks, tables, figures.
 
-Import after setting XLA_FLAGS (each experiment does that before anything imports jax).
+Import this module first (`import _common as C`), before anything imports jax: importing it asks
+XLA for 8 simulated CPU devices unless XLA_FLAGS already sets a count (harmless on a GPU machine:
+the flag only shapes the CPU backend). An experiment that must run on the CPU backend calls
+`C.cpu_only()` next. A script run as `python experiments/NN_x.py` finds this module by itself:
+Python puts the script's own directory first on the module search path.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
-import re
-import sys
 
-from jaxscale import meshes
-from jaxscale import models
-from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
+DEVICES = 8     # simulated CPU devices: the meshes of the experiments (cpu8) use all 8
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+from jaxscale import meshes  # noqa: E402
+from jaxscale import models  # noqa: E402
+from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
+                             apply_overrides)
 
 MiB = 2 ** 20
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
 ONE = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")
+
+
+def cpu_only() -> None:
+    """Run on the CPU backend unless JAX_PLATFORMS names another; call before jax computes anything.
+    Child processes inherit the choice through the environment."""
+    import jax
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"] or None)
 
 
 def config(*overrides: str, model: str = "tiny", n_layers: int = 2, seq: int = 32,
@@ -114,8 +133,8 @@ def grad_bytes(setup) -> int:
     from jaxscale import compiled
     from jaxscale.axes import use_rules
     from jaxscale.train.step import token_loss
-    specs = setup.layout.shard_specs if setup.layout.zero >= 2 else setup.layout.param_specs
-    out_sh = jax.tree.map(lambda s: NamedSharding(setup.plan.mesh, s), specs,
+    specs = setup.layout.specs.grads
+    out_sh = jax.tree.map(lambda s: NamedSharding(setup.placement.mesh, s), specs,
                           is_leaf=lambda x: isinstance(x, P))
 
     def grads(params, batch):
@@ -123,9 +142,9 @@ def grad_bytes(setup) -> int:
             total, n = token_loss(setup.model.apply(p, batch["inputs"]), batch["targets"],
                                   batch["mask"])
             return total / n
-        with use_rules(setup.plan.mesh, setup.plan.rules):
+        with use_rules(setup.placement.mesh, setup.placement.rules):
             return jax.grad(loss)(params)
-    with jax.set_mesh(setup.plan.mesh):
+    with jax.set_mesh(setup.placement.mesh):
         c = jax.jit(grads, out_shardings=out_sh).lower(setup.abstract_state().params,
                                                        setup.abstract_batch()).compile()
     return compiled.memory(c)["output"]

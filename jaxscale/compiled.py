@@ -6,9 +6,11 @@ over those runs (nccl-tests' "size": the output of an all-gather, the input of a
 and `wire_bytes` what a bandwidth-optimal ring puts on each device's link for it (x 2(n-1)/n for
 all-reduce, x (n-1)/n for the others). The axes are read from the replica groups, not assumed.
 
-XLA:CPU lowers a gradient reduction whose result is sliced as an all-reduce where XLA:GPU emits a
-reduce-scatter; the census reports the kind it saw, and `theory_vs_census` flags such a pair
-instead of hiding it.
+The theory beside the census is the plan's own: `jaxscale.plan.collectives`, each strategy's
+formula (the same the planner predicts with), with the theoretical minimum where XLA's program
+moves more. XLA:CPU lowers a gradient reduction whose result is sliced as an all-reduce where
+XLA:GPU emits a reduce-scatter; each predicted collective names the kind XLA:CPU emits
+(`Comm.cpu_kind`), and `theory_vs_census` says where it used it instead of hiding it.
 """
 from __future__ import annotations
 
@@ -18,11 +20,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale import hlo
-from jaxscale.strategies.common import Collective
-
-_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-           "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-           "collective-permute": lambda n: 1.0}
+from jaxscale.cost import busbw_factor
+from jaxscale.strategies.common import Comm
 
 
 def _axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
@@ -62,7 +61,7 @@ def census(text: str, mesh: Mesh) -> list[dict]:
         row = agg[(kind, axes)]
         row["count"] += runs
         row["bytes"] += size * runs
-        row["wire_bytes"] += size * runs * _FACTOR[kind](n)
+        row["wire_bytes"] += size * runs * busbw_factor(kind, n)
     out = [{"kind": k, "axes": list(a), "count": int(round(v["count"])), "bytes": int(v["bytes"]),
             "wire_bytes": int(v["wire_bytes"])} for (k, a), v in agg.items()]
     order = {k: i for i, k in enumerate(hlo.COLLECTIVES)}
@@ -88,34 +87,42 @@ def flops(compiled, text: str | None = None) -> dict:
             "xla_cost_analysis_flops": float((ca or {}).get("flops", 0.0))}
 
 
-def theory_vs_census(theory: list[Collective], observed: list[dict]) -> list[dict]:
-    """One row per (kind, axes) in either list: predicted bytes, census bytes, ratio."""
-    rows: dict[tuple, dict] = {}
-    for t in theory:
-        r = rows.setdefault((t.kind, tuple(t.axes)), {"theory_bytes": 0.0, "census_bytes": 0,
-                                                      "what": []})
-        r["theory_bytes"] += t.bytes
-        r["what"].append(t.what)
+def theory_vs_census(theory: list[Comm], observed: list[dict], backend: str = "cpu") -> list[dict]:
+    """One row per (kind, mesh axes) in either list: theory bytes, census bytes, their ratio
+    (census / theory) and the theoretical minimum.
+
+    On XLA:CPU a predicted collective is put in the kind XLA:CPU emits (`Comm.cpu_kind`: a
+    reduce-scatter becomes all-reduce + slice). A collective marked `optional` (XLA may merge it
+    with an identical earlier one) is counted when that brings the row closer to the census, and
+    the row says which it saw."""
+    want: dict[tuple, list] = defaultdict(lambda: [0.0, 0.0, 0.0, [], False])
+    for c in theory:
+        kind = (c.cpu_kind or c.kind) if backend == "cpu" else c.kind
+        row = want[(kind, tuple(c.axes))]
+        row[1 if c.optional else 0] += c.bytes
+        row[2] += 0.0 if c.optional else (c.bytes if c.minimum is None else c.minimum)
+        row[3].append(c.what + (" [optional]" if c.optional else ""))
+        row[4] = row[4] or kind != c.kind
+    got: dict[tuple, float] = defaultdict(float)
     for c in observed:
-        r = rows.setdefault((c["kind"], tuple(c["axes"])), {"theory_bytes": 0.0,
-                                                            "census_bytes": 0, "what": []})
-        r["census_bytes"] += c["bytes"]
-    # XLA:CPU reduces gradients with an all-reduce and slices, where GPUs reduce-scatter: pair a
-    # predicted reduce-scatter that the census lacks with an unpredicted all-reduce on its axes.
-    for (kind, axes), r in list(rows.items()):
-        alt = rows.get(("all-reduce", axes))
-        if (kind == "reduce-scatter" and r["theory_bytes"] and not r["census_bytes"] and alt
-                and alt["census_bytes"] and not alt["theory_bytes"]):
-            r["census_bytes"] = alt.pop("census_bytes")
-            r["note"] = "emitted as all-reduce + slice on this backend (XLA:CPU)"
-            del rows[("all-reduce", axes)]
-    out = []
-    for (kind, axes), r in rows.items():
-        ratio = r["census_bytes"] / r["theory_bytes"] if r["theory_bytes"] else None
-        out.append({"kind": kind, "axes": list(axes), "theory_bytes": int(r["theory_bytes"]),
-                    "census_bytes": r["census_bytes"], "ratio": ratio,
-                    "what": "; ".join(w for w in r["what"] if w), "note": r.get("note", "")})
-    return out
+        got[(c["kind"], tuple(c["axes"]))] += c["bytes"]
+    rows = []
+    for key in sorted(set(want) | set(got), key=lambda k: (hlo.COLLECTIVES.index(k[0]), k[1])):
+        required, optional, minimum, what, as_cpu = want.get(key, (0.0, 0.0, 0.0, [], False))
+        census_bytes = got.get(key, 0.0)
+        theory_bytes, notes = required, []
+        if optional and abs(required + optional - census_bytes) < abs(required - census_bytes):
+            theory_bytes, minimum = required + optional, minimum + optional
+            notes.append("optional collective emitted")
+        elif optional:
+            notes.append("optional collective merged by XLA")
+        if as_cpu:
+            notes.append("includes reduce-scatters XLA:CPU emits as all-reduce + slice")
+        rows.append({"kind": key[0], "axes": list(key[1]), "theory_bytes": int(theory_bytes),
+                     "census_bytes": int(census_bytes), "minimum_bytes": int(minimum),
+                     "ratio": census_bytes / theory_bytes if theory_bytes else None,
+                     "what": "; ".join(what), "note": "; ".join(notes)})
+    return rows
 
 
 def format_report(rep: dict) -> str:
@@ -133,52 +140,51 @@ def format_report(rep: dict) -> str:
     f = rep["flops"]
     lines.append(f"flops per device per step: {f['dot_flops']:.4g} (matmul, from HLO), "
                  f"model formula {f['model_flops_per_device']:.4g}")
-    lines.append("theory vs census:")
+    lines.append("theory vs census (theory: the plan's formulas; minimum: the least any program "
+                 "could move):")
+    lines.append(f"  {'kind':<19}{'axes':<14}{'theory':>16}{'census':>16}{'ratio':>8}"
+                 f"{'minimum':>16}  what")
     for t in rep["theory"]:
-        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "  -  "
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
         lines.append(f"  {t['kind']:<19}{','.join(t['axes']):<14}{t['theory_bytes']:>16,}"
-                     f"{t['census_bytes']:>16,}  ratio {ratio}  {t['what']} {t['note']}".rstrip())
+                     f"{t['census_bytes']:>16,}{ratio:>8}{t['minimum_bytes']:>16,}  {t['what']}"
+                     + (f" ({t['note']})" if t["note"] else ""))
     return "\n".join(lines)
 
 
 
 def report(cfg, devices=None) -> dict:
     """Compile the train step of `cfg` without running it; the `jaxscale inspect --json` object."""
+    import jax
     from jaxscale import plan as plan_lib
     from jaxscale.train.setup import build
 
     setup = build(cfg, devices)
     compiled = setup.lower_train_step().compile()
     text = compiled.as_text()
-    n_dev = setup.plan.mesh.devices.size
+    placement = setup.placement
+    n_dev = placement.mesh.devices.size
     fl = flops(compiled, text)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     fl["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / n_dev
-    observed = census(text, setup.plan.mesh)
+    observed = census(text, placement.mesh)
+    backend = "cpu" if jax.default_backend() == "cpu" else "gpu"
+    spec = placement.spec
+    if backend == "cpu" or spec.device_kind == "cpu":     # the theory of the backend compiled for
+        spec = spec.with_(device_kind="cpu" if backend == "cpu" else "h100")
+    theory = theory_vs_census(plan_lib.collectives(spec), observed, backend)
+    if backend == "cpu" and setup.policy.param_dtype != "float32":
+        for r in theory:
+            r["note"] = "; ".join(n for n in (r["note"], "16-bit values carried in f32: XLA:CPU "
+                                              "widens them after partitioning") if n)
     return {
-        "mesh": {a: int(s) for a, s in zip(setup.plan.mesh.axis_names, setup.plan.mesh.devices.shape)},
-        "rules": setup.plan.rules.as_dict(),
+        "mesh": {a: int(s) for a, s in zip(placement.mesh.axis_names, placement.mesh.devices.shape)},
+        "rules": placement.rules.as_dict(),
         "memory": memory(compiled),
         "collectives": observed,
         "flops": fl,
-        "theory": _note_upcast(theory_vs_census(plan_lib.theory(cfg, setup.plan, setup.model),
-                                                observed), setup.policy),
+        "theory": theory,
     }
-
-
-def _note_upcast(rows: list[dict], policy) -> list[dict]:
-    """XLA:CPU widens bf16 collectives to f32 after partitioning (its all-reduce-promotion pass;
-    parameter all-gathers follow the f32 copies its dots need), so a bf16 plan's collectives carry
-    f32 on CPU, twice the predicted bytes; GPUs keep them 16-bit. Say so where it explains a
-    ratio of 2."""
-    if policy.param_dtype == "float32":
-        return rows
-    import jax
-    for r in rows:
-        if r["ratio"] and abs(r["ratio"] - 2) < 0.05 and jax.default_backend() == "cpu":
-            r["note"] = (r["note"] + "; " if r["note"] else "") + \
-                "carried in f32: XLA:CPU widens bf16 collectives after partitioning"
-    return rows
 
 
 def offloaded_activation_bytes(fn, *args) -> float:

@@ -55,6 +55,11 @@ class PlanConfig:
     offload: str = "none"             # none | optimizer | master | params, "+"-joined
     zero: int = 0                     # 0 | 1 | 2 | 3 over the data-parallel devices
     check_memory: bool = True         # refuse plans the planner predicts will not fit
+    # planned, not yet trainable (`jaxscale plan` predicts them; train refuses them by name):
+    context: str = "ring"             # context parallelism over mesh.sp: ring | ulysses | allgather
+    sequence_parallel: bool = False   # Megatron sequence parallelism over mesh.tp
+    schedule: str = "1f1b"            # over mesh.pp: gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1           # virtual pipeline stages per device (interleaved)
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ def list_experiments() -> list[str]:
     for d in experiments_dirs():
         if d.is_dir():
             for p in d.glob("*.py"):
-                if "def config(" in p.read_text(errors="ignore"):
+                if not p.stem.startswith("_") and "def config(" in p.read_text(errors="ignore"):
                     names.add(p.stem)
     return sorted(names)
 
@@ -179,8 +184,9 @@ def list_experiments() -> list[str]:
 def load_experiment(name_or_path: str) -> Config:
     path = Path(name_or_path)
     if not (path.suffix == ".py" and path.is_file()):
-        path = next((d / f"{name_or_path}.py" for d in experiments_dirs()
-                     if (d / f"{name_or_path}.py").is_file()), None)
+        path = None if name_or_path.startswith("_") else next(
+            (d / f"{name_or_path}.py" for d in experiments_dirs()
+             if (d / f"{name_or_path}.py").is_file()), None)
     if path is None:
         raise ValueError(f"unknown experiment {name_or_path!r}; give a path to a .py file with a "
                          f"config() function or one of: {', '.join(list_experiments())}")

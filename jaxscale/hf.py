@@ -333,7 +333,7 @@ def load_params(path_or_ckpt, cfg: ModelConfig, shardings) -> dict:
 @dataclass
 class Loaded:
     cfg: Any            # jaxscale.config.Config with the checkpoint's model
-    plan: Any           # the plan the params are sharded for
+    placement: Any      # the mesh and rules the params are sharded for (jaxscale.plan.Placement)
     params: dict
 
 
@@ -349,9 +349,9 @@ def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
     keep = {k: getattr(cfg.model, k) for k in ("scan_layers", "attention", "dtype", "param_dtype")}
     model_cfg = config_from_hf(ckpt.hf_config, **{**keep, **model_overrides})
     cfg = dataclasses.replace(cfg, model=model_cfg)
-    plan = plan_lib.build(cfg, devices)
-    shardings = FunctionalModel(model_cfg).param_shardings(plan)
-    return Loaded(cfg, plan, load_params(ckpt, model_cfg, shardings))
+    placement = plan_lib.place(cfg, devices)
+    shardings = FunctionalModel(model_cfg).param_shardings(placement)
+    return Loaded(cfg, placement, load_params(ckpt, model_cfg, shardings))
 
 
 # ----------------------------------------------------------------------------- export

@@ -1,161 +1,285 @@
-"""A plan: the mesh, the strategies it implies, their logical->mesh rules, validated up front.
+"""The plan: one description of a training step's strategies, composed in one written order.
 
-The order that matters is written here once:
-1. resolve the mesh degrees against the devices present;
-2. check every divisibility the strategies need (all problems reported together);
-3. compose the batch rule from the data axes (`dp`, then `fsdp`), outer to inner;
-4. let each active strategy add its rules (`fsdp`, then `tp`); a conflict is an error;
-5. `layers` stays unsharded (pipeline parallelism will map it to `pp`).
+`Spec` is the plan as every consumer reads it: the model, the mesh degrees (and their cross-node
+parts), the hardware, the global batch and sequence, and the `plan.*` options, normalised from a
+`Config` by `Spec.from_config` (no JAX needed). Each strategy module in `jaxscale/strategies/`
+reads a `Spec` through the same five functions (see `jaxscale.strategies`), and this module
+composes them, in this order, for every consumer alike (`train`, `inspect`'s theory, `jaxscale
+plan` and its `--search`):
+
+1. `problems(spec)`: the model and hardware, then each strategy's problems in `STRATEGIES` order,
+   all reported together, each naming the field and a fix; `unavailable(spec)` adds what `train`
+   cannot run yet (the planner still predicts it, and `--search` marks it);
+2. `rules(spec)`: the batch over the data axes (`dp`, `fsdp`, `ep`, outer to inner), then each
+   strategy's logical->mesh rules; two rules for one logical axis are an error; `layers` stays
+   unsharded unless pipeline parallelism maps it to `pp`;
+3. `collectives(spec)`: every collective per device per step, each strategy's own formula;
+4. `memory_terms(spec)`: each strategy's per-device memory terms (the planner adds the model's);
+5. `place(cfg, devices)`: the JAX side, a `Placement` (the device mesh and the rules) for the
+   validated plan; ZeRO, offload, precision, accumulation and remat then shape the state and the
+   step (`jaxscale.train.setup`).
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxscale import hardware
+from jaxscale.axes import MESH_AXES, Rules
+from jaxscale.strategies import (accumulate, dp, ep, fsdp, offload, pp, precision, remat, sp, tp,
+                                 zero)
 
-from jaxscale.axes import Rules
-from jaxscale.mesh import MeshConfig, make_mesh
-from jaxscale.strategies import dp, fsdp, tp
-
-STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp}
-NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism",
-           "sp": "sequence/context parallelism"}
+#: every strategy, in the order their problems, rules, collectives and memory terms compose
+STRATEGIES = (dp, fsdp, zero, tp, sp, ep, pp, precision, accumulate, remat, offload)
+#: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
+OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
+           "sequence_parallel", "schedule", "virtual_stages")
 
 
-@dataclass
-class Plan:
-    mesh_cfg: MeshConfig
-    mesh: Mesh
-    rules: Rules
-    data_axes: tuple[str, ...]
+@dataclass(frozen=True)
+class Spec:
+    model: object                       # jaxscale.models.llama.ModelConfig
+    degrees: dict = field(default_factory=dict)
+    dcn: dict = field(default_factory=dict)
+    device_kind: str = "cpu"
+    batch: int = 8                      # global batch, sequences
+    seq: int = 128
+    precision: str = "fp32"
+    loss_scale: str = "auto"
+    zero: int = 0
+    remat: str = "none"
+    offload: str = "none"
+    accumulate: int = 1                 # micro-batches per step (pipeline: m)
+    donate: bool = True
+    context: str = "ring"               # context parallelism over `sp`: ring | ulysses | allgather
+    sequence_parallel: bool = False     # Megatron SP: the residual stream split over tp too
+    schedule: str = "1f1b"              # pipeline schedule when pp > 1
+    virtual_stages: int = 1             # virtual stages per device (interleaved)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg, n_devices: int | None = None) -> "Spec":
+        mesh = cfg.mesh
+        if n_devices is not None or any(getattr(mesh, a) == -1 for a in MESH_AXES):
+            if n_devices is None:
+                raise ValueError("the mesh has a -1 (fill) degree: give the device count "
+                                 "(jaxscale plan --devices N)")
+            mesh = mesh.resolve(n_devices)          # raises the mesh's own message
+        return cls(model=cfg.model, degrees={a: getattr(mesh, a) for a in MESH_AXES},
+                   dcn={a: getattr(mesh, f"dcn_{a}", 1) for a in MESH_AXES},
+                   device_kind=mesh.device_kind, batch=cfg.data.batch_size,
+                   seq=cfg.data.seq_len, **{k: getattr(cfg.plan, k) for k in OPTIONS})
+
+    def with_(self, **kw) -> "Spec":
+        return replace(self, **kw)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def n_devices(self) -> int:
+        return math.prod(self.deg(a) for a in MESH_AXES)
+
+    def deg(self, axis: str) -> int:
+        return self.degrees.get(axis, 1)
 
     @property
-    def strategies(self) -> tuple[str, ...]:
-        return tuple(a for a in STRATEGIES if getattr(self.mesh_cfg, a) > 1)
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over (ep carries tokens too: experts live on data ranks)."""
+        return tuple(a for a in ("dp", "fsdp", "ep") if self.deg(a) > 1)
 
     @property
     def data_degree(self) -> int:
-        return math.prod(getattr(self.mesh_cfg, a) for a in self.data_axes)
+        return self.deg("dp") * self.deg("fsdp") * self.deg("ep")
 
-    def spec(self, logical) -> P:
+    @property
+    def local_batch(self) -> float:
+        return self.batch / self.data_degree
+
+    @property
+    def micro_batch(self) -> float:
+        return self.local_batch / max(1, self.accumulate)
+
+    @property
+    def local_seq(self) -> float:
+        return self.seq / self.deg("sp")
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers on the busiest pipeline stage (uneven stages hold at most ceil(L / pp))."""
+        return math.ceil(self.model.n_layers / self.deg("pp"))
+
+    @property
+    def moe(self) -> bool:
+        return getattr(self.model, "moe_experts", 0) > 0
+
+    # ------------------------------------------------------------------ precision, as held
+    @property
+    def param_itemsize(self) -> int:
+        """Bytes of the stored working parameters (and of the gradients)."""
+        return precision.param_itemsize(self)
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes of an activation element as the backend holds it (XLA:CPU computes 16-bit
+        floats in f32: `Hardware.native_16bit`)."""
+        size = precision.compute_itemsize(self)
+        return size if self.hardware.native_16bit else max(size, 4)
+
+    @property
+    def wire_param_itemsize(self) -> int:
+        """Bytes per parameter or gradient element in a collective (f32 on XLA:CPU)."""
+        size = self.param_itemsize
+        return size if self.hardware.native_16bit else max(size, 4)
+
+    @property
+    def mixed(self) -> bool:
+        return precision.mixed(self)
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the model resolves to (`jaxscale.attention.resolve`):
+        `auto` is a fused kernel on GPUs, and on CPU `xla` up to
+        `jaxscale.attention.AUTO_XLA_MAX_SCORES` scores per (batch, head), `blockwise` beyond."""
+        impl = self.model.attention
+        if impl != "auto":
+            return impl
+        if self.device_kind != "cpu":
+            return "cudnn"
+        from jaxscale.attention import AUTO_XLA_MAX_SCORES
+        return "xla" if self.seq * self.seq <= AUTO_XLA_MAX_SCORES else "blockwise"
+
+    @property
+    def hardware(self) -> hardware.Hardware:
+        return hardware.get(self.device_kind)
+
+    def cross_node(self, axes) -> bool:
+        """Whether a collective over `axes` leaves a node (some axis has a DCN part)."""
+        return any(self.dcn.get(a, 1) > 1 for a in axes)
+
+    @functools.cached_property
+    def rules(self) -> Rules:
+        """The logical->mesh rules of this plan (`rules(spec)`)."""
+        return rules(self)
+
+    def label(self) -> str:
+        parts = [f"{a}{self.deg(a)}" for a in MESH_AXES if self.deg(a) > 1] or ["single"]
+        opts = [o for s in STRATEGIES for o in s.label(self)]
+        return "x".join(parts) + (" " + " ".join(opts) if opts else "") + f" {self.precision}"
+
+    # ------------------------------------------------------------------ validation
+    def problems(self) -> list[str]:
+        return problems(self)
+
+    def validate(self) -> "Spec":
+        raise_problems(self.problems())
+        return self
+
+
+# ----------------------------------------------------------------------------- composition
+def problems(spec: Spec) -> list[str]:
+    """Everything that makes the plan impossible, all at once, each naming a fix."""
+    errs = []
+    try:
+        spec.model.validate()
+    except ValueError as e:
+        errs.append(str(e))
+    for a in MESH_AXES:
+        if spec.deg(a) < 1:
+            errs.append(f"mesh.{a}={spec.deg(a)} must be >= 1")
+    if spec.device_kind not in hardware.HARDWARE:
+        errs.append(f"unknown hardware {spec.device_kind!r}; valid: {', '.join(hardware.HARDWARE)}")
+    if errs:
+        return errs
+    if spec.seq > spec.model.max_seq_len:
+        errs.append(f"data.seq_len={spec.seq} exceeds model.max_seq_len={spec.model.max_seq_len}")
+    for s in STRATEGIES:
+        errs += s.problems(spec)
+    return errs
+
+
+def unavailable(spec: Spec) -> list[str]:
+    """The strategies this plan uses that `train` cannot run yet (one line each, with the fix)."""
+    return [s.UNAVAILABLE.format(spec=spec, **spec.degrees) for s in STRATEGIES
+            if not s.AVAILABLE and s.active(spec)]
+
+
+def raise_problems(errs: list[str]) -> None:
+    if errs:
+        raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
+
+
+def rules(spec: Spec) -> Rules:
+    r = Rules()
+    r.add("batch", spec.data_axes, by="+".join(spec.data_axes) or "replicated")
+    for s in STRATEGIES:
+        s.rules(spec, r)
+    if "layers" not in r.table:
+        r.add("layers", None, by="plan")
+    return r
+
+
+def collectives(spec: Spec) -> list:
+    """Every collective of one step, per device (`jaxscale.strategies.common.Comm`)."""
+    return [c for s in STRATEGIES for c in s.collectives(spec) if c.group > 1 and c.bytes > 0]
+
+
+def memory_terms(spec: Spec) -> list:
+    """The strategies' per-device memory terms (`jaxscale.strategies.common.Term`)."""
+    return [t for s in STRATEGIES for t in s.memory(spec)]
+
+
+# ----------------------------------------------------------------------------- the JAX side
+@dataclass
+class Placement:
+    """The device mesh and the logical->mesh rules of a validated plan."""
+    spec: Spec
+    mesh_cfg: object          # jaxscale.mesh.MeshConfig, degrees resolved
+    mesh: object              # jax.sharding.Mesh
+    rules: Rules
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return self.spec.data_axes
+
+    @property
+    def data_degree(self) -> int:
+        return self.spec.data_degree
+
+    def spec_of(self, logical):
+        """The mesh PartitionSpec of an array with these logical axis names."""
         return self.rules.spec(logical)
 
-    def sharding(self, logical) -> NamedSharding:
+    def sharding(self, logical):
+        from jax.sharding import NamedSharding
         return NamedSharding(self.mesh, self.rules.spec(logical))
 
-    def replicated(self) -> NamedSharding:
+    def replicated(self):
+        from jax.sharding import NamedSharding, PartitionSpec as P
         return NamedSharding(self.mesh, P())
 
 
-def validate(cfg, n_devices: int) -> MeshConfig:
+def validate(cfg, n_devices: int) -> Spec:
     """Resolve the mesh and check the whole config against it; raise one error listing all."""
-    mesh_cfg = cfg.mesh.resolve(n_devices)
-    errs = []
-    for axis, what in NOT_YET.items():
-        if getattr(mesh_cfg, axis) > 1:
-            errs.append(f"mesh.{axis}={getattr(mesh_cfg, axis)}: {what} is not available yet; "
-                        f"set mesh.{axis}=1 and give the devices to dp, fsdp or tp")
-    try:
-        cfg.model.validate()
-    except ValueError as e:
-        errs.append(str(e))
+    import jax
+    spec = Spec.from_config(cfg, n_devices)
+    errs = unavailable(spec) + problems(spec)
     from jaxscale.attention import IMPLEMENTATIONS
     if cfg.model.attention not in IMPLEMENTATIONS + ("auto",):
         errs.append(f"model.attention={cfg.model.attention!r} is unknown; valid: "
                     f"{', '.join(IMPLEMENTATIONS + ('auto',))}")
-    if mesh_cfg.tp > 1:
-        errs += tp.validate(cfg.model, mesh_cfg.tp)
-    if mesh_cfg.fsdp > 1 and cfg.model.dim % mesh_cfg.fsdp:
-        errs.append(f"model.dim={cfg.model.dim} is not divisible by mesh.fsdp={mesh_cfg.fsdp}: "
-                    f"FSDP shards every parameter on its embed dimension")
-    data = mesh_cfg.dp * mesh_cfg.fsdp
-    if cfg.data.batch_size % data:
-        errs.append(f"data.batch_size={cfg.data.batch_size} is not divisible by the data-parallel "
-                    f"degree dp x fsdp = {data}: use a multiple of {data}")
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        errs.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
-                    f"{cfg.model.max_seq_len}")
-    errs += _validate_plan_options(cfg, mesh_cfg)
     if jax.process_count() > 1 and cfg.data.batch_size % jax.process_count():
         errs.append(f"data.batch_size={cfg.data.batch_size} is not divisible by the "
                     f"{jax.process_count()} processes")
-    if errs:
-        raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
-    return mesh_cfg
+    raise_problems(errs)
+    return spec
 
 
-def _validate_plan_options(cfg, mesh_cfg) -> list[str]:
-    from jaxscale.strategies import offload, precision, remat, zero
-    errs = []
-    try:
-        pol = precision.policy(cfg.plan)
-    except ValueError as e:
-        return [str(e)]
-    try:
-        remat.parse(cfg.plan.remat)
-    except ValueError as e:
-        errs.append(str(e))
-    errs += offload.validate(cfg.plan, pol.master)
-    errs += zero.validate(cfg.plan, mesh_cfg)
-    k = cfg.plan.accumulate
-    data = mesh_cfg.dp * mesh_cfg.fsdp
-    if k < 1:
-        errs.append(f"plan.accumulate={k} must be >= 1")
-    elif cfg.data.batch_size % (k * data):
-        errs.append(f"data.batch_size={cfg.data.batch_size} must be divisible by plan.accumulate x "
-                    f"dp x fsdp = {k} x {data}: each micro-batch is split over the data axes")
-    return errs
-
-
-def build(cfg, devices=None) -> Plan:
+def place(cfg, devices=None) -> Placement:
+    import jax
+    from jaxscale.mesh import make_mesh
     devices = list(devices if devices is not None else jax.devices())
-    mesh_cfg = validate(cfg, len(devices))
-    mesh = make_mesh(mesh_cfg, devices)
-    rules = Rules()
-    data_axes = tuple(a for a, s in STRATEGIES.items() if s.DATA_AXIS and getattr(mesh_cfg, a) > 1)
-    rules.add("batch", data_axes, by="+".join(data_axes) or "replicated")
-    for name in mesh_cfg.active_axes():
-        if name in STRATEGIES:
-            STRATEGIES[name].rules(rules)
-    rules.add("layers", None, by="plan")
-    return Plan(mesh_cfg, mesh, rules, data_axes)
+    spec = validate(cfg, len(devices))
+    mesh_cfg = cfg.mesh.resolve(len(devices))
+    return Placement(spec, mesh_cfg, make_mesh(mesh_cfg, devices), rules(spec))
 
 
-def theory(cfg, plan: Plan, model) -> list:
-    """The plan's communication per device per step, from the strategies' formulas."""
-    import math as _m
-    from jax.tree_util import tree_leaves
-    from jaxscale.strategies import precision, zero
-    from jaxscale.strategies.common import dtype_bytes
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
-    specs = tree_leaves(model.param_specs(plan), is_leaf=lambda x: isinstance(x, P))
-    shapes = tree_leaves(model.abstract_params)
-    emb = model.abstract_params["embed"]
-
-    def elems(drop: set[str], only=None) -> float:   # per-device elements, `drop` axes gathered
-        tot = 0.0
-        for spec, s in zip(specs, shapes):
-            if only is not None and s is not only:
-                continue
-            axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str)
-                                                           else entry) if a not in drop]
-            tot += _m.prod(s.shape) / _m.prod(sizes[a] for a in axes)
-        return tot
-    pol = precision.policy(cfg.plan)
-    k = cfg.plan.accumulate
-    pb = dtype_bytes(pol.param_dtype)
-    gb = 4 if k > 1 else pb                  # micro-batch gradients accumulate in fp32
-    mc = plan.mesh_cfg
-    out = []
-    if cfg.plan.zero:
-        out += zero.theory(cfg.plan.zero, mc, elems(set()) * pb, elems(set(), emb) * pb,
-                           elems(set()) * gb, k)
-    else:
-        out += dp.theory(mc, elems(set()) * gb)
-    out += fsdp.theory(mc, elems({"fsdp"}) * pb, elems({"fsdp"}, emb) * pb,
-                       elems({"fsdp"}) * gb, k)
-    out += tp.theory(cfg, mc, cfg.data.batch_size // plan.data_degree,
-                     dtype_bytes(pol.compute_dtype), cfg.plan.remat == "full")
-    return out

@@ -53,6 +53,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention: str = "auto"           # xla | blockwise | pallas | cudnn | auto (jaxscale.attention)
     init_std: float = 0.02
+    moe_experts: int = 0              # 0: dense MLP; E: a Mixtral-style mixture of E experts
+    moe_top_k: int = 2                # experts per token
+    capacity_factor: float = 1.25     # expert capacity = factor x tokens x top_k / E
 
     @property
     def hd(self) -> int:
@@ -67,23 +70,30 @@ class ModelConfig:
                              f"{self.n_heads}; set model.head_dim explicitly")
         if self.hd % 2:
             raise ValueError(f"head_dim={self.hd} must be even for RoPE")
+        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
+            raise ValueError(f"model.moe_experts={self.moe_experts}, model.moe_top_k="
+                             f"{self.moe_top_k}: give 0 experts (dense) or top_k between 1 and "
+                             f"the expert count")
         return self
 
-    def param_count(self) -> int:
-        """Exact number of parameters (embedding, blocks, final norm, untied head)."""
-        d, f, hd = self.dim, self.ffn_dim, self.hd
+    def param_count(self, active: bool = False) -> int:
+        """Exact number of parameters (embedding, blocks, final norm, untied head); `active`:
+        those a token passes through (a mixture of experts counts its top_k experts)."""
+        d, f, hd, E = self.dim, self.ffn_dim, self.hd, self.moe_experts
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        block = attn + 3 * d * f + 2 * d
+        mlp = 3 * d * f if not E else (self.moe_top_k if active else E) * 3 * d * f + d * E
+        block = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layers * block + d + head
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
-        """Training FLOPs per token: 6 x (non-embedding matmul params + head) + attention.
+        """Training FLOPs per token: 6 x (non-embedding matmul params + head, active experts
+        only) + attention.
 
         Attention (QK^T and PV, forward 4*s*hd*heads per token per layer, x3 for fwd+bwd) is
         halved when causal, as in the MFU accounting of PaLM / Megatron.
         """
-        n_matmul = self.param_count() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        n_matmul = self.param_count(active=True) - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
         n_matmul -= (2 * self.n_layers + 1) * self.dim      # norms are not matmuls
         attn = 12 * self.n_layers * self.n_heads * self.hd * seq_len
         return 6 * n_matmul + (attn / 2 if causal else attn)

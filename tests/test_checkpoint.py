@@ -222,7 +222,7 @@ def test_elastic_restore_8_to_4_to_1_devices(tmp_path, reference):
     ref_out, ref = reference
     src = ref_out / "checkpoints"
     s8 = _setup_on(8)                                        # dp2 x fsdp2 x tp2, as written
-    assert s8.plan.mesh_cfg.dp == 2 and s8.plan.mesh_cfg.tp == 2
+    assert s8.placement.mesh_cfg.dp == 2 and s8.placement.mesh_cfg.tp == 2
     params8 = _host(ckpt_lib.Checkpointer(src, s8.cfg.ckpt, read_only=True)
                     .restore(30, s8.abstract_state()).params)
 

@@ -47,7 +47,7 @@ def jax_logits(loaded, tokens):
     model = FunctionalModel(loaded.cfg.model)
 
     def f(p, t):
-        with use_rules(loaded.plan.mesh, loaded.plan.rules):
+        with use_rules(loaded.placement.mesh, loaded.placement.rules):
             return model.apply(p, t)
     return np.asarray(jax.jit(f)(loaded.params, tokens))
 
@@ -102,8 +102,8 @@ def test_reads_only_device_slices(tmp_path):
     ckpt = hf.Checkpoint(tmp_path)
     model_cfg = hf.config_from_hf(ckpt.hf_config)
     from jaxscale import plan as plan_lib
-    plan = plan_lib.build(dataclasses.replace(cfg, model=model_cfg))
-    hf.load_params(ckpt, model_cfg, FunctionalModel(model_cfg).param_shardings(plan))
+    placement = plan_lib.place(dataclasses.replace(cfg, model=model_cfg))
+    hf.load_params(ckpt, model_cfg, FunctionalModel(model_cfg).param_shardings(placement))
     assert ckpt.reads
     for name, shape in ckpt.reads:    # fsdp=8 shards every tensor on `embed`: an eighth at most
         assert np.prod(shape) * 8 <= np.prod(ckpt.shape(name)), (name, shape)

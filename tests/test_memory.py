@@ -170,8 +170,8 @@ def test_zero_model_state_bytes_per_param(stage, expected):
     args = compiled.memory(setup.lower_train_step().compile())["argument"]
     batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4 // 8
     # gradients in their planned sharding, as the compiled gradient program outputs them
-    spec_tree = setup.layout.shard_specs if stage >= 2 else setup.layout.param_specs
-    grad_sh = named_shardings(setup.plan, spec_tree)
+    spec_tree = setup.layout.specs.grads
+    grad_sh = named_shardings(setup.placement, spec_tree)
     fn = lambda p, b: jax.tree.map(lambda g: g.astype(jnp.bfloat16), setup.grads_fn(p, b)[0])
     gc = jax.jit(fn, out_shardings=grad_sh).lower(setup.abstract_state().params,
                                                   setup.abstract_batch()).compile()

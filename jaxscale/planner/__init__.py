@@ -6,18 +6,22 @@
     planner.check_fits(cfg, n_devices)       # ValueError naming the largest consumers and fixes
     planner.search.search(cfg, n_devices)    # every valid plan on the mesh, ranked
 
+The plan (`jaxscale.plan.Spec`) and every formula come from the strategy modules
+(`jaxscale/strategies/*`: their collectives and memory terms), the same ones `train` builds from
+and `inspect` compares against; the planner adds the model's tables and the time model.
 Modules: `params` (parameter table and shards), `activations` (per-layer tensors of the LLaMA
-block, remat policies), `memory`, `comm`, `perf` (FLOPs, time, MFU), `gpt` (the GPT block of
+block), `memory` (the per-device ledger), `perf` (FLOPs, time, MFU), `gpt` (the GPT block of
 the literature), `search` (enumeration, ranking, what would make a plan fit), `report` (table,
-JSON, PNG), `validate` (predicted vs compiled), `cli` (`jaxscale plan`).
+JSON, PNG), `validate` (predicted vs compiled, and the validation set), `cli` (`jaxscale plan`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.planner import comm, memory, perf
-from jaxscale.planner.params import MoE
-from jaxscale.planner.spec import Spec
+from jaxscale import plan as plan_lib
+from jaxscale.axes import MESH_AXES
+from jaxscale.plan import Spec
+from jaxscale.planner import memory, perf
 
 
 @dataclass
@@ -44,11 +48,11 @@ class Prediction:
         s = self.spec
         return {
             "plan": s.label(), "devices": s.n_devices, "hardware": s.device_kind,
-            "mesh": {a: s.deg(a) for a in ("dp", "pp", "fsdp", "ep", "sp", "tp")},
+            "mesh": {a: s.deg(a) for a in MESH_AXES},
             "batch": s.batch, "seq": s.seq, "capacity_bytes": self.capacity, "fits": self.fits,
+            "unavailable": plan_lib.unavailable(s),
             "memory": self.memory.as_dict(),
-            "collectives": [c.as_dict() | {"optional": c.optional, "cpu_kind": c.cpu_kind}
-                            for c in self.collectives],
+            "collectives": [c.as_dict() for c in self.collectives],
             "flops": self.flops.as_dict(), "time": self.time.as_dict(),
         }
 
@@ -56,24 +60,23 @@ class Prediction:
 def predict_spec(spec: Spec) -> Prediction:
     spec.validate()
     mem = memory.estimate(spec)
-    comms = comm.collectives(spec)
+    comms = plan_lib.collectives(spec)
     fl = perf.flops(spec)
     return Prediction(spec, mem, comms, fl, perf.step_time(spec, fl, comms, mem))
 
 
-def predict(cfg, n_devices: int | None = None, **options) -> Prediction:
-    """Predict a `Config`'s step; `options` are `Spec` fields the config lacks (schedule,
-    virtual, sp_mode, megatron_sp, moe)."""
-    return predict_spec(Spec.from_config(cfg, n_devices, **options))
+def predict(cfg, n_devices: int | None = None) -> Prediction:
+    """Predict a `Config`'s step."""
+    return predict_spec(Spec.from_config(cfg, n_devices))
 
 
-def check_fits(cfg, n_devices: int | None = None, **options) -> None:
+def check_fits(cfg, n_devices: int | None = None) -> None:
     """Raise ValueError when the plan's predicted per-device memory exceeds the device's; the
     message names the largest consumers and the cheapest changes that would make it fit."""
     from jaxscale.planner.search import does_not_fit_message
-    pred = predict(cfg, n_devices, **options)
+    pred = predict(cfg, n_devices)
     if not pred.fits:
         raise ValueError(does_not_fit_message(pred))
 
 
-__all__ = ["MoE", "Prediction", "Spec", "check_fits", "predict", "predict_spec"]
+__all__ = ["Prediction", "Spec", "check_fits", "predict", "predict_spec"]

@@ -36,7 +36,7 @@ Splits. "residual stream" tensors are replicated over `tp` unless Megatron seque
 splits them over `tp` too; "tp" tensors are split t ways; context parallelism over `sp` splits
 every token-indexed tensor sp ways (the scores keep their full key length s).
 
-Remat policies (`plan.remat`, over the model's `checkpoint_name` tags `jaxscale.models.llama.TAGS`):
+Remat policies (`plan.remat`, `jaxscale.strategies.remat`, over the model's `checkpoint_name` tags):
 `none` keeps the table; `full` keeps only the layer input; `save_dots` keeps the layer input and
 the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down: JAX's
 `dots_with_no_batch_dims_saveable`); `save_attention_out` keeps the layer input and `attn_out`;
@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxscale.strategies.remat import SAVE_DOTS, actions
+
 #: tag -> (elements per token as a function of the model, split region)
 _TAG_SIZES = {
     "attn_norm": (lambda m: m.dim, "res"), "q_proj": (lambda m: m.n_heads * m.hd, "tp"),
@@ -57,12 +59,6 @@ _TAG_SIZES = {
     "mlp_up": (lambda m: m.ffn_dim, "tp"), "mlp_hidden": (lambda m: m.ffn_dim, "tp"),
     "mlp_down": (lambda m: m.dim, "res"),
 }
-SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
-#: as `jaxscale.strategies.remat.OFFLOADED`
-OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
-POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
-
-
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -105,29 +101,6 @@ def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "
     return out
 
 
-def parse_policy(remat: str) -> dict[str, str]:
-    """tag -> save | remat | offload for every tag; the layer input is always saved."""
-    tags = list(_TAG_SIZES)
-    if remat in ("none", ""):
-        return {t: "save" for t in tags}
-    if remat == "full":
-        return {t: "remat" for t in tags}
-    if remat == "save_dots":
-        return {t: "save" if t in SAVE_DOTS else "remat" for t in tags}
-    if remat == "save_attention_out":
-        return {t: "save" if t == "attn_out" else "remat" for t in tags}
-    if remat == "offload":
-        return {t: "offload" if t in OFFLOADED else "remat" for t in tags}
-    out = {t: "remat" for t in tags}
-    for item in remat.split(","):
-        name, _, how = item.strip().partition(":")
-        if name not in out or how not in ("save", "remat", "offload"):
-            raise ValueError(f"plan.remat={remat!r}: each item must be TAG:save|remat|offload with "
-                             f"TAG one of {', '.join(tags)}; got {item!r}")
-        out[name] = how
-    return out
-
-
 @dataclass(frozen=True)
 class LayerActivations:
     saved: float              # bytes per layer kept on device for the backward
@@ -146,7 +119,7 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
     total = sum(full.values())
     if remat in ("none", ""):
         return LayerActivations(total, 0.0, 0.0, 0.0, full)
-    policy = parse_policy(remat)
+    policy = actions(remat)
     x = full["x"]
     saved, host = {"x": x}, 0.0
     for tag, how in policy.items():
@@ -157,6 +130,20 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
         elif how == "offload":
             host += nbytes
     kept = sum(saved.values())
-    dots = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
-    frac = sum(policy[t] == "remat" for t in dots) / len(dots)
+    frac = sum(policy[t] == "remat" for t in SAVE_DOTS) / len(SAVE_DOTS)
     return LayerActivations(kept, host, total - kept, frac, saved)
+
+
+def split(spec) -> Split:
+    """How `spec` divides one device's activations: tensor parallelism splits the head and MLP
+    tensors, Megatron sequence parallelism the residual stream too, context parallelism all."""
+    return Split(tp=spec.deg("tp"), sp=spec.deg("sp"), megatron_sp=spec.sequence_parallel)
+
+
+def of_spec(spec, remat: str | None = None) -> LayerActivations:
+    """One layer's activations per device for one micro-batch of `spec` under a remat policy
+    (default: the plan's)."""
+    return layer_activations(spec.model, spec.seq, spec.micro_batch * spec.local_seq,
+                             spec.compute_itemsize, split(spec),
+                             spec.remat if remat is None else remat, spec.attention,
+                             spec.model.moe_top_k if spec.moe else 0)

@@ -2,10 +2,15 @@
 
     jaxscale plan --model llama3-70b --mesh h100x8x4 --seq 4096 --batch 32 --set plan.zero=1
     jaxscale plan --model llama3-8b --mesh h100x8 --seq 8192 --batch 64 --search
+    jaxscale plan --model mixtral-8x7b --mesh h100x8x4 --set mesh.ep=4 --set mesh.dp=1
+    jaxscale plan --model llama3-70b --mesh h100x8x4 --set plan.context=ulysses --set mesh.sp=2 ...
     jaxscale plan --experiment llama_tiny --json
 
 Starts from an experiment's config (`--experiment`) or from the defaults with `--model` and
-`--mesh` presets, applies `--set` overrides, and never imports JAX.
+`--mesh` presets and applies `--set` overrides: the same keys `train` and `inspect` take (the
+pipeline schedule is `plan.schedule`, context parallelism `plan.context`, Megatron sequence
+parallelism `plan.sequence_parallel`, a mixture of experts `model.moe_experts`). Plans `train`
+cannot run yet are predicted all the same, and say so.
 """
 from __future__ import annotations
 
@@ -24,16 +29,10 @@ def add_arguments(p) -> None:
                    "per data-parallel rank)")
     p.add_argument("--seq", type=int, help="sequence length (default: min(4096, max_seq_len))")
     p.add_argument("--devices", type=int, help="device count, to resolve a -1 mesh degree")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, "
-                   "interleaved, zb-h1 (default 1f1b)")
-    p.add_argument("--virtual", type=int, default=1, help="virtual stages per device (interleaved)")
-    p.add_argument("--sp-mode", default="ring", help="context parallelism over sp: ring, ulysses")
-    p.add_argument("--megatron-sp", action="store_true",
-                   help="Megatron sequence parallelism: split the residual stream over tp")
-    p.add_argument("--moe", metavar="E,K[,C]", help="mixture of experts: E experts, top-K, "
-                   "capacity factor C (default 1.25)")
     p.add_argument("--search", action="store_true",
                    help="enumerate every valid plan on the mesh that fits, ranked by step time")
+    p.add_argument("--include-unavailable", action="store_true",
+                   help="--search also ranks plans train cannot run yet (marked)")
     p.add_argument("--top", type=int, default=10, help="plans shown by --search (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="directory for memory.png and plan.json (default runs/plan/...)")
@@ -67,27 +66,15 @@ def build_config(args):
     return dataclasses.replace(cfg, data=data)
 
 
-def options(args) -> dict:
-    opts = {"schedule": args.schedule, "virtual": args.virtual, "sp_mode": args.sp_mode,
-            "megatron_sp": args.megatron_sp}
-    if args.moe:
-        from jaxscale.planner.params import MoE
-        try:
-            parts = [float(x) for x in args.moe.split(",")]
-            opts["moe"] = MoE(int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else 1.25)
-        except (ValueError, IndexError):
-            raise ValueError(f"--moe {args.moe!r}: give E,K or E,K,C (e.g. 8,2)") from None
-    return opts
-
-
 def run(args) -> int:
     from jaxscale import planner
     from jaxscale.planner import report, search
     cfg = build_config(args)
-    spec = planner.Spec.from_config(cfg, args.devices, **options(args))
+    spec = planner.Spec.from_config(cfg, args.devices)
     out = Path(args.out or Path("runs") / "plan" / _name(args, cfg))
     if args.search:
-        res = search.search(cfg, args.devices, base=spec)
+        res = search.search(cfg, args.devices, base=spec,
+                            include_unavailable=args.include_unavailable)
         shown = res.accepted[:args.top]
         if shown:
             report.plot_memory(shown, out / "memory.png",
@@ -102,9 +89,7 @@ def run(args) -> int:
             print(report.format_search(res, args.top))
             print(f"\nwrote {out / 'memory.png'} and {out / 'plan.json'}")
         return 0 if res.accepted else 1
-    errs = spec.problems()
-    if errs:
-        raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
+    spec.validate()
     pred = planner.predict_spec(spec)
     report.plot_memory([pred], out / "memory.png", f"{_name(args, cfg)}: {spec.label()}")
     payload = pred.as_dict()

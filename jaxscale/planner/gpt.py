@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.planner.comm import Comm
+from jaxscale.strategies.common import Comm
 from jaxscale.planner.memory import model_states
 
 #: (name, bytes per token as a multiple of h (or of a*s for the score rows), region, core)

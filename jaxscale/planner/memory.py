@@ -1,31 +1,31 @@
 """Per-device memory of a training step: model state, activations, temporaries, host offload.
 
-Model state (ZeRO, arXiv 1910.02054, with Psi parameters, N = devices in the ZeRO group):
-mixed-precision Adam keeps 2 Psi (16-bit parameters) + 2 Psi (16-bit gradients) + 12 Psi (fp32
-master weights, m and v) = 16 Psi bytes; fp32 training 4 + 4 + 8 = 16 Psi. Per device:
-DP 16 Psi; ZeRO-1 4 Psi + 12 Psi / N; ZeRO-2 2 Psi + 14 Psi / N; ZeRO-3 16 Psi / N
-(`model_states`, exact for the paper's 7.5B / N = 64 example: 120, 31.4, 16.6, 1.9 GB).
-On a mesh, the `fsdp` axis shards all three (it is ZeRO-3 over its devices), `tp`/`pp`/`ep`
-shard by the logical rules of `params.py`, and `plan.zero` adds the `dp` axis stage by stage.
+Every strategy contributes its own terms (`memory(spec)` in `jaxscale/strategies/*`, composed by
+`jaxscale.plan.memory_terms`); this module adds the model's own and sums them into the rows below.
 
-Activations: `activations.py` per layer x layers per pipeline stage x micro-batches in flight
-(1 without pipelining; GPipe m; 1F1B and ZB-H1 min(m, p); interleaved 1F1B min(m, p)
-(1 + (p - 1) / (p v)), Korthikanti et al. arXiv 2205.05198 section 4.2.3).
+Model state (`precision.memory`, with ZeRO's shard factors; arXiv 1910.02054, Psi parameters,
+N devices in the ZeRO group): mixed-precision Adam keeps 2 Psi (16-bit parameters) + 2 Psi
+(16-bit gradients) + 12 Psi (fp32 master weights, m and v) = 16 Psi bytes; fp32 training
+4 + 4 + 8 = 16 Psi. Per device: DP 16 Psi; ZeRO-1 4 Psi + 12 Psi / N; ZeRO-2 2 Psi + 14 Psi / N;
+ZeRO-3 16 Psi / N (`model_states`, exact for the paper's 7.5B / N = 64 example: 120, 31.4, 16.6,
+1.9 GB). Offloaded parts move to host memory (`offload.memory`).
+
+Activations (`remat.memory`, `pp.memory`): `activations.py` per layer x layers per pipeline stage
+x micro-batches in flight.
 
 Temporaries are the peak of two phases of the compiled step, as XLA schedules it:
-- backward: saved activations + one layer's activations again while its backward runs (their
-  gradients; a rematerialised layer's rebuilt forward) + under TP the buffers of the q/k/v
-  input-gradient all-reduce (3 bsh) +
-  the local gradient buffer + fp32 logits and their gradient + with FSDP one gathered layer of
-  weights and that layer's unreduced gradient + with accumulation a gradient accumulator;
-- update: the gradients + a copy of the fp32 optimizer state, moments and master weights (XLA
-  keeps the old values for the donated, skip-on-non-finite update; read from the buffer
-  assignment of `jaxscale inspect`; offloaded state is brought to the device for it) + with
-  ZeRO-1 the all-reduced copy of the gradients + with accumulation the fp32 accumulator.
+- backward: saved activations + the model's terms (the local gradient buffer, one layer's
+  activations again while its backward runs: their gradients, a rematerialised layer's rebuilt
+  forward; fp32 logits and their gradient) + the strategies' (TP: the q/k/v input-gradient
+  all-reduce buffers; FSDP: one gathered layer and its unreduced gradient; accumulation: the
+  fp32 accumulator);
+- update: the gradient buffer + a copy of the fp32 optimizer state, moments and master weights
+  (XLA keeps the old values for the donated, skip-on-non-finite update; read from the buffer
+  assignment of `jaxscale inspect`; offloaded state is brought to the device for it) + the
+  strategies' (ZeRO-1: the all-reduced gradients; accumulation: the accumulator).
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
-(`Hardware.native_16bit`).
-The constants were read from XLA:CPU buffer assignments (jax 0.10); `docs/planner.md` gives the
-predicted-vs-compiled table (temp within 15% on every cpu8 plan).
+(`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
+`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on every cpu8 plan).
 
 The XLA view (`argument`, `output`, `temp`, `alias`) is what `compiled.memory_analysis()` reports:
 arguments are the device-resident state and the batch, outputs the new state (aliased to the
@@ -35,8 +35,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from jaxscale import plan as plan_lib
 from jaxscale.planner import params as params_lib
-from jaxscale.planner.activations import LayerActivations, Split, layer_activations
+from jaxscale.planner.activations import of_spec
+from jaxscale.strategies import fsdp, pp
+from jaxscale.strategies.common import Term
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
 
@@ -64,6 +67,7 @@ class Memory:
     layer: dict = field(default_factory=dict)     # per-layer activation tensors (bytes)
     phases: dict = field(default_factory=dict)    # temp of the backward and of the update
     in_flight: float = 1.0
+    terms: list = field(default_factory=list)     # every term, the model's and the strategies'
 
     @property
     def total(self) -> float:
@@ -78,29 +82,10 @@ class Memory:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d["terms"] = [t.as_dict() for t in self.terms]
         d["total"] = self.total
         d["host_total"] = self.host_total
         return d
-
-
-def in_flight(spec) -> float:
-    """Micro-batches whose activations a pipeline stage holds at its peak."""
-    p, m = spec.deg("pp"), max(1, spec.accumulate)
-    if p == 1:
-        return 1.0
-    if spec.schedule == "gpipe":
-        return float(m)
-    base = float(min(m, p))
-    if spec.schedule == "interleaved":
-        return base * (1 + (p - 1) / (p * spec.virtual))
-    return base
-
-
-def layer_acts(spec) -> LayerActivations:
-    split = Split(tp=spec.deg("tp"), sp=spec.deg("sp"), megatron_sp=spec.megatron_sp)
-    return layer_activations(spec.model, spec.seq, spec.micro_batch * spec.local_seq,
-                             spec.compute_itemsize, split, spec.remat, spec.attention,
-                             spec.moe.top_k if spec.moe else 0)
 
 
 def optimizer_copy(spec, sh) -> float:
@@ -110,60 +95,39 @@ def optimizer_copy(spec, sh) -> float:
     return sh.optimizer * (2 * moment_bytes + (4 if spec.mixed else 0))
 
 
-def estimate(spec) -> Memory:
-    m = spec.model
-    degrees = dict(spec.degrees)
-    sh = params_lib.shards(m, degrees, spec.zero, spec.moe)
-    pb, off = spec.param_itemsize, spec.offloaded
-    moment_bytes = 4 if spec.mixed else pb
-    params = sh.params * pb
-    grads = sh.grads * pb
-    master = sh.optimizer * 4 if spec.mixed else 0.0
-    optimizer = 2 * sh.optimizer * moment_bytes
+def model_terms(spec) -> list[Term]:
+    """The terms every plan has, whatever its strategies: the gradient buffer, one layer's
+    working activations, the fp32 logits and their gradient, the optimizer copy of the update."""
+    sh = params_lib.shards(spec)
+    # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
+    # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
+    grads = (sh.grads if fsdp.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
     tokens = spec.micro_batch * spec.local_seq
+    logits = 2 * tokens * spec.model.vocab_size / spec.deg("tp") * 4
+    return [Term("backward", grads, "local gradient buffer"),
+            Term("backward", of_spec(spec, "none").saved,
+                 "one layer's activations while its backward runs"),
+            Term("backward", logits, "fp32 logits and their gradient"),
+            Term("update", grads, "local gradient buffer"),
+            Term("update", optimizer_copy(spec, sh), "copy of the fp32 optimizer state")]
+
+
+def estimate(spec) -> Memory:
+    terms = model_terms(spec) + plan_lib.memory_terms(spec)
+    row = {r: sum(t.bytes for t in terms if t.row == r) for r in
+           ("params", "master", "grads", "optimizer", "activations", "backward", "update")}
+    host: dict[str, float] = {}
+    for t in terms:
+        if t.row == "host":
+            host[t.part] = host.get(t.part, 0.0) + t.bytes
+    acts = row["activations"]
     batch = spec.local_batch * spec.local_seq * 12      # inputs, targets (int32), mask (f32)
     counters = 3 * 4                                    # step, Adam count, schedule count
-
-    la = layer_acts(spec)
-    stage_layers = spec.stage_layers
-    flight = in_flight(spec)
-    acts = la.saved * stage_layers * flight
-
-    # ---- temporaries: the larger of the backward and the update phase
-    gb = spec.wire_param_itemsize                       # gradients as the backend holds them
-    # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
-    # reduced shard) when the weights are fsdp-sharded or under ZeRO-3, else full until the end
-    in_loop = spec.deg("fsdp") > 1 or spec.zero >= 3
-    local_grads = (sh.grads if in_loop else sh.params) * gb
-    full = layer_activations(m, spec.seq, tokens, spec.compute_itemsize,
-                             Split(spec.deg("tp"), spec.deg("sp"), spec.megatron_sp), "none",
-                             spec.attention, spec.moe.top_k if spec.moe else 0)
-    # one layer's activations (their gradients; a rematerialised layer's rebuilt forward) and,
-    # under TP, the buffers of the backward's q/k/v input-gradient all-reduce (3 x bsh)
-    bsh = tokens * m.dim * spec.compute_itemsize / (spec.deg("tp") if spec.megatron_sp else 1)
-    working = full.saved + (3 * bsh if spec.deg("tp") > 1 else 0.0)
-    logits = 2 * tokens * m.vocab_size / spec.deg("tp") * 4
-    gathered = 0.0
-    if spec.deg("fsdp") > 1 or (spec.zero >= 3 and spec.deg("dp") > 1):
-        gathered = 2 * sh.gathered_layer * gb     # one layer's weights + its unreduced gradient
-    accumulator = sh.params * 4 if spec.accumulate > 1 else 0.0      # fp32
-    reduced_copy = local_grads if (spec.zero == 1 and spec.deg("dp") > 1) else 0.0
-    backward = local_grads + acts + working + logits + gathered + accumulator
-    update = local_grads + accumulator + reduced_copy + optimizer_copy(spec, sh)
+    backward = row["backward"] + acts
+    update = row["update"]
     temp = max(backward, update)
-    temporaries = temp - grads - acts
-
-    host = {}
-    if "optimizer" in off:
-        host["optimizer"], optimizer = optimizer, 0.0
-    if "master" in off:
-        host["master"], master = master, 0.0
-    if "params" in off:
-        host["params"], params = params, 0.0
-    if la.host:
-        host["activations"] = la.host * stage_layers * flight
-
-    state = params + master + optimizer + counters
+    temporaries = temp - row["grads"] - acts
+    state = row["params"] + row["master"] + row["optimizer"] + counters
     host_state = sum(v for k, v in host.items() if k != "activations")
     xla = {"argument": state + batch, "output": state + 5 * 4,
            "temp": temp, "alias": state if spec.donate else 0.0,
@@ -171,7 +135,8 @@ def estimate(spec) -> Memory:
     xla["total"] = xla["argument"] + xla["output"] + xla["temp"] - xla["alias"]
     if not spec.donate:        # the new state gets buffers of its own next to the old one
         temporaries += state
-    return Memory(params=params, master=master, grads=grads, optimizer=optimizer,
-                  activations=acts, temporaries=temporaries, batch=batch + counters, host=host,
-                  xla=xla, layer=dict(full.tensors), in_flight=flight,
-                  phases={"backward": backward, "update": update})
+    return Memory(params=row["params"], master=row["master"], grads=row["grads"],
+                  optimizer=row["optimizer"], activations=acts, temporaries=temporaries,
+                  batch=batch + counters, host=host, xla=xla,
+                  layer=dict(of_spec(spec, "none").tensors), in_flight=pp.in_flight(spec),
+                  phases={"backward": backward, "update": update}, terms=terms)

@@ -4,45 +4,18 @@
 logical axes (the names the model annotates it with) and its *use*: `dot` for a weight contracted
 in a matmul, `norm` for an RMSNorm scale (its gradient is a `reduce_sum`), `embedding` for the
 token table (its gradient is a scatter-add). The use decides how XLA reduces its gradient (see
-`comm.py`). `tests/test_planner.py` checks the table against the real model's abstract
+`jaxscale.strategies.dp`). `tests/test_planner.py` checks the table against the real model's abstract
 parameters and logical specs, so the two cannot drift apart.
 
-Sharding follows jaxscale's rules (`plan.py`, `strategies/`), written here as data:
-
-| logical axis                        | mesh axes                          |
-|-------------------------------------|------------------------------------|
-| batch                               | dp, fsdp, ep (the data axes)       |
-| seq (activations)                   | sp (context parallelism)           |
-| embed                               | fsdp                               |
-| heads, kv_heads, mlp, vocab         | tp                                 |
-| layers                              | pp                                 |
-| experts                             | ep                                 |
-
-ZeRO (`plan.zero`) shards, on top of that, over the `dp` axis: stage 1 the optimizer state,
-stage 2 also the gradients, stage 3 also the parameters (ZeRO, arXiv 1910.02054). The `fsdp`
-axis always shards all three (it *is* ZeRO-3 over its devices).
+Sharding follows the plan's logical->mesh rules (`jaxscale.plan.rules`, composed from the
+strategies); ZeRO (`jaxscale.strategies.zero.shard_factor`) shards the state over `dp` on top of
+that, stage by stage. The `fsdp` axis always shards all three parts (it *is* ZeRO-3 over its
+devices).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-#: logical axis -> mesh axes it is split over
-RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp", "fsdp", "ep"), "seq": ("sp",), "embed": ("fsdp",), "heads": ("tp",),
-    "kv_heads": ("tp",), "mlp": ("tp",), "vocab": ("tp",), "layers": ("pp",),
-    "experts": ("ep",), "head_dim": (),
-}
-
-
-@dataclass(frozen=True)
-class MoE:
-    """A mixture-of-experts MLP in every layer (Mixtral style): `n_experts` SwiGLU experts of the
-    model's ffn_dim, a linear router, each token sent to `top_k` experts with `capacity` slack."""
-    n_experts: int = 8
-    top_k: int = 2
-    capacity: float = 1.25
-
 
 @dataclass(frozen=True)
 class Leaf:
@@ -59,24 +32,18 @@ class Leaf:
     def stacked(self) -> bool:
         return bool(self.axes) and self.axes[0] == "layers"
 
-    def local_size(self, degrees: dict[str, int], drop: tuple[str, ...] = ()) -> float:
-        """Elements per device: each dimension divided by the degrees of the mesh axes its
-        logical axis maps to (`drop`: mesh axes treated as gathered)."""
+    def local_size(self, spec, drop: tuple[str, ...] = ()) -> float:
+        """Elements per device under `spec`'s rules: each dimension divided by the degrees of
+        the mesh axes its logical axis maps to (`drop`: mesh axes treated as gathered)."""
+        table = spec.rules.table
         n = 1.0
         for dim, ax in zip(self.shape, self.axes):
-            split = math.prod(degrees.get(m, 1) for m in RULES.get(ax, ()) if m not in drop)
+            split = math.prod(spec.deg(m) for m in table.get(ax, ()) if m not in drop)
             n *= math.ceil(dim / split)
         return n
 
-    def split_over(self, degrees: dict[str, int]) -> tuple[str, ...]:
-        """Mesh axes (degree > 1) this parameter is sharded over."""
-        out = []
-        for ax in self.axes:
-            out += [m for m in RULES.get(ax, ()) if degrees.get(m, 1) > 1 and m not in out]
-        return tuple(out)
 
-
-def leaves(model, moe: MoE | None = None) -> list[Leaf]:
+def leaves(model) -> list[Leaf]:
     """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when scanned)."""
     d, f, hd, H, K, V = (model.dim, model.ffn_dim, model.hd, model.n_heads, model.n_kv_heads,
                          model.vocab_size)
@@ -88,12 +55,12 @@ def leaves(model, moe: MoE | None = None) -> list[Leaf]:
         ("attn/wo", (H, hd, d), ("heads", "head_dim", "embed"), "dot"),
         ("mlp_norm/scale", (d,), ("embed",), "norm"),
     ]
-    if moe is None:
+    if not getattr(model, "moe_experts", 0):
         per_layer += [("mlp/w_gate", (d, f), ("embed", "mlp"), "dot"),
                       ("mlp/w_up", (d, f), ("embed", "mlp"), "dot"),
                       ("mlp/w_down", (f, d), ("mlp", "embed"), "dot")]
     else:
-        E = moe.n_experts
+        E = model.moe_experts
         per_layer += [("mlp/router", (d, E), ("embed", None), "router"),
                       ("mlp/w_gate", (E, d, f), ("experts", "embed", "mlp"), "dot"),
                       ("mlp/w_up", (E, d, f), ("experts", "embed", "mlp"), "dot"),
@@ -111,17 +78,17 @@ def leaves(model, moe: MoE | None = None) -> list[Leaf]:
     return out
 
 
-def count(model, moe: MoE | None = None) -> int:
-    """Total parameters (equals `ModelConfig.param_count()` for a dense model)."""
-    return sum(leaf.size for leaf in leaves(model, moe))
+def count(model) -> int:
+    """Total parameters (equals `ModelConfig.param_count()`)."""
+    return sum(leaf.size for leaf in leaves(model))
 
 
-def active_count(model, moe: MoE | None = None) -> int:
+def active_count(model) -> int:
     """Parameters a token passes through (MoE: top_k of the experts)."""
-    if moe is None:
+    if not getattr(model, "moe_experts", 0):
         return count(model)
     expert = 3 * model.dim * model.ffn_dim * model.n_layers
-    return count(model, moe) - (moe.n_experts - moe.top_k) * expert
+    return count(model) - (model.moe_experts - model.moe_top_k) * expert
 
 
 @dataclass(frozen=True)
@@ -135,19 +102,22 @@ class Shards:
     total: int
 
 
-def shards(model, degrees: dict[str, int], zero: int = 0, moe: MoE | None = None) -> Shards:
-    dp = degrees.get("dp", 1)
-    ls = leaves(model, moe)
-    local = sum(leaf.local_size(degrees) for leaf in ls)
-    gathered = [leaf.local_size(degrees, drop=("fsdp",)) for leaf in ls]
+def shards(spec) -> Shards:
+    """Per-device elements of each part of the model state under `spec` (its rules, and ZeRO's
+    shard factor over dp per part)."""
+    from jaxscale.strategies import zero
+    model = spec.model
+    ls = leaves(model)
+    local = sum(leaf.local_size(spec) for leaf in ls)
+    gathered = [leaf.local_size(spec, drop=("fsdp",)) for leaf in ls]
     per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / max(
-        1, math.ceil(model.n_layers / degrees.get("pp", 1)))
+        1, math.ceil(model.n_layers / spec.deg("pp")))
     if not model.scan_layers:
         per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.path.startswith("layers/0/"))
     return Shards(
-        params=local / (dp if zero >= 3 else 1),
-        grads=local / (dp if zero >= 2 else 1),
-        optimizer=local / (dp if zero >= 1 else 1),
+        params=local / zero.shard_factor(spec, "params"),
+        grads=local / zero.shard_factor(spec, "grads"),
+        optimizer=local / zero.shard_factor(spec, "optimizer"),
         gathered_layer=per_layer,
         unreduced_grads=sum(gathered),
         total=sum(leaf.size for leaf in ls),

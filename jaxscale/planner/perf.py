@@ -16,15 +16,14 @@ Step time (stated assumptions):
   memory-bound elementwise work are different ops; their times add). Traffic: activations
   written in the forward and read in the backward with their gradients (3x), weights read
   three times (forward, data and weight gradients), the optimizer reads and writes the state;
-- collectives: alpha-beta per instance, t = steps x latency + wire bytes / bus bandwidth, ring
-  step counts (all-reduce 2(n - 1), all-gather / reduce-scatter / all-to-all n - 1), the
-  inter-node bandwidth as soon as a group leaves a node (nccl-tests busbw factors);
+- collectives: alpha-beta per instance (`jaxscale.cost`: ring step counts and nccl-tests busbw
+  factors), t = steps x latency + wire bytes / bus bandwidth, the inter-node bandwidth as soon
+  as a group leaves a node;
 - overlap: data-parallel traffic (FSDP gathers, gradient reductions, ZeRO gathers) and
   pipeline sends hide under compute except the first gather / last reduction of a step
   (1 / (L + 1) of it) and whatever exceeds the compute time; tensor, context and expert
   parallel collectives sit on the critical path (the next matmul needs them);
-- pipeline bubble on top of the ideal time: (p - 1) / m (GPipe, 1F1B), (p - 1) / (v m)
-  (interleaved), a third of 1F1B's for ZB-H1 (arXiv 2401.10241 with T_F = T_B = T_W);
+- pipeline bubble on top of the ideal time (`jaxscale.strategies.pp.bubble_fraction`);
 - host offload transfers (PCIe) are not overlapped.
 MFU = model FLOPs / (step time x dense bf16 peak), the literature's convention whatever the
 precision. The result is a roofline-style bound that ranks plans; measured MFU lands below it.
@@ -33,20 +32,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from jaxscale.planner import params as params_lib
-from jaxscale.planner.activations import parse_policy
-from jaxscale.planner.comm import Comm
-
-STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
-         "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
-         "collective-permute": lambda n: 1}
+from jaxscale.cost import alpha_beta, ring_steps
+from jaxscale.strategies.common import Comm
+from jaxscale.strategies.pp import bubble_fraction
+from jaxscale.strategies.remat import actions
 
 
-def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, moe=None) -> dict:
+def layer_flops_per_token(model, seq_len: int, causal_kernel: bool) -> dict:
     """Forward matmul FLOPs per token of one block, by part."""
-    d, hd, H, K, f = model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim
+    d, hd, H, K, f, E = (model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim,
+                         model.moe_experts)
     attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)
-    mlp = 6 * d * f * (moe.top_k if moe else 1) + (2 * d * moe.n_experts if moe else 0)
+    mlp = 6 * d * f * (model.moe_top_k if E else 1) + 2 * d * E
     return {"q_proj": 2 * d * H * hd, "k_proj": 2 * d * K * hd, "v_proj": 2 * d * K * hd,
             "o_proj": 2 * H * hd * d, "attention": attn_core,
             "mlp_gate": mlp / 3, "mlp_up": mlp / 3, "mlp_down": mlp / 3}
@@ -61,7 +58,7 @@ def recompute_per_token(parts: dict, remat: str) -> float:
     MLP-down projection: its output only feeds the residual, so XLA drops its replay."""
     if remat in ("none", ""):
         return 0.0
-    policy = parse_policy(remat)
+    policy = actions(remat)
     replay = sum(parts[t] for t in ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up")
                  if policy[t] == "remat")
     core = parts["attention"]
@@ -82,19 +79,14 @@ class Flops:
 def flops(spec) -> Flops:
     m = spec.model
     causal_kernel = spec.attention != "xla"
-    parts = layer_flops_per_token(m, spec.seq, causal_kernel, spec.moe)
+    parts = layer_flops_per_token(m, spec.seq, causal_kernel)
     per_layer = sum(parts.values())
     head = 2 * m.dim * m.vocab_size
     tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp"))
     t, p = spec.deg("tp"), spec.deg("pp")
     fwd = tokens * (per_layer * spec.stage_layers + head / p) / t
     rec = tokens * recompute_per_token(parts, spec.remat) * spec.stage_layers / t
-    if spec.moe is None:
-        model_tok = m.flops_per_token(spec.seq, causal=True)
-    else:
-        active = params_lib.active_count(m, spec.moe) - m.vocab_size * m.dim * (
-            1 if not m.tie_embeddings else 0) - (2 * m.n_layers + 1) * m.dim
-        model_tok = 6 * active + 6 * m.n_layers * m.n_heads * m.hd * spec.seq
+    model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
         rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t
     return Flops(3 * fwd + rec, fwd, rec, model_tok * spec.batch * spec.seq / spec.n_devices)
@@ -120,22 +112,11 @@ class StepTime:
 
 
 def collective_time(spec, c: Comm) -> float:
+    """alpha-beta time of `c`'s `count` executions, on the link class its axes use."""
     hw = spec.hardware
     cross = spec.cross_node(c.axes)
-    bw = hw.collective_bw(cross)
-    return c.count * STEPS[c.kind](c.group) * hw.latency(cross) + c.wire_bytes / bw
-
-
-def bubble_fraction(spec) -> float:
-    """Pipeline idle time relative to the ideal (bubble-free) compute time."""
-    p, m = spec.deg("pp"), max(1, spec.accumulate)
-    if p == 1:
-        return 0.0
-    if spec.schedule == "interleaved":
-        return (p - 1) / (spec.virtual * m)
-    if spec.schedule == "zb-h1":
-        return (p - 1) / (3 * m)
-    return (p - 1) / m
+    return alpha_beta(c.count * ring_steps(c.kind, c.group), c.wire_bytes, hw.latency(cross),
+                      hw.collective_bw(cross))
 
 
 def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:

@@ -19,9 +19,11 @@ def nbytes(x: float) -> str:
 def format_prediction(pred) -> str:
     s, mem, t, fl = pred.spec, pred.memory, pred.time, pred.flops
     m = s.model
+    from jaxscale.plan import unavailable
     lines = [f"plan {s.label()} on {s.n_devices} x {s.device_kind}  "
              f"(model {m.n_layers}L d={m.dim}, batch {s.batch} x seq {s.seq}, micro-batch "
              f"{s.micro_batch:g}, attention {s.attention})",
+             *(f"train cannot run this plan yet: {why}" for why in unavailable(s)),
              "", "per-device memory:"]
     for row in ROWS:
         lines.append(f"  {row:<14}{nbytes(getattr(mem, row)):>12}")
@@ -62,16 +64,19 @@ def format_search(result, top: int = 10) -> str:
     acc, rej = result.accepted, result.rejected
     lines = [f"{len(acc)} plans fit, {len(rej)} rejected", "",
              f"  {'#':>3}  {'plan':<52}{'memory':>11}{'step s':>10}{'MFU':>7}"]
+    from jaxscale.plan import unavailable
     for i, p in enumerate(acc[:top], 1):
         lines.append(f"  {i:>3}  {p.spec.label():<52}{nbytes(p.memory.total):>11}"
-                     f"{p.time.total:>10.4g}{p.time.mfu:>7.1%}")
+                     f"{p.time.total:>10.4g}{p.time.mfu:>7.1%}"
+                     + ("  (not in train yet)" if unavailable(p.spec) else ""))
     if len(acc) > top:
         lines.append(f"  ... {len(acc) - top} more")
     if rej:
         lines += ["", "rejected, by reason:"]
         for reason, n in result.reasons().items():
             example = next(why for spec, why in rej if why.startswith(reason)
-                           or (reason.startswith("does not fit") and "needs" in why))
+                           or (reason.startswith("does not fit") and why.startswith("needs"))
+                           or (reason.startswith("not available") and "not available" in why))
             spec = next(spec for spec, why in rej if why == example)
             lines.append(f"  {n:>6} x {reason}")
             lines.append(f"           e.g. {spec.label()}: {example}")

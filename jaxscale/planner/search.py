@@ -9,14 +9,18 @@ offload stay as configured (they change numerics or need host memory the user mu
 `does_not_fit_message` does consider them as fixes.
 
 Each candidate is either accepted (valid and fits) or rejected with its reason: the first
-validation problem, or the predicted total against the device capacity.
+validation problem (`jaxscale.plan.problems`, the same checks `train` makes), a strategy `train`
+cannot run yet (`jaxscale.plan.unavailable`; `include_unavailable=True` ranks those too, marked),
+or the predicted total against the device capacity.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
-from jaxscale.planner.spec import AXES, Spec
+from jaxscale import plan as plan_lib
+from jaxscale.axes import MESH_AXES as AXES
+from jaxscale.plan import Spec
 
 REMATS = ("none", "save_dots", "full")
 
@@ -54,7 +58,9 @@ class Result:
     def reasons(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for _, why in self.rejected:
-            key = why.split(":")[0] if "needs" not in why else "does not fit in device memory"
+            key = ("does not fit in device memory" if why.startswith("needs") else
+                   "not available in train yet" if "not available" in why else
+                   why.split(":")[0])
             out[key] = out.get(key, 0) + 1
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
@@ -85,18 +91,20 @@ def candidates(base: Spec) -> list[Spec]:
                     for sched in schedules:
                         out.append(replace(base, degrees=deg, dcn=dcn, zero=z, remat=remat,
                                            accumulate=k, schedule=sched,
-                                           virtual=2 if sched == "interleaved" else 1))
+                                           virtual_stages=2 if sched == "interleaved" else 1))
     return out
 
 
 def search(cfg, n_devices: int | None = None, *, base: Spec | None = None,
-           limit: float | None = None, **options) -> Result:
+           limit: float | None = None, include_unavailable: bool = False) -> Result:
     """Enumerate, validate, predict and rank; `limit` overrides the device memory (bytes)."""
     from jaxscale.planner import predict_spec
-    base = base or Spec.from_config(cfg, n_devices, **options)
+    base = base or Spec.from_config(cfg, n_devices)
     res = Result()
     for spec in candidates(base):
         errs = spec.problems()
+        if not include_unavailable:
+            errs = plan_lib.unavailable(spec) + errs
         if errs:
             res.rejected.append((spec, errs[0]))
             continue
@@ -160,7 +168,7 @@ def fitting_changes(spec: Spec, max_changes: int = 3) -> list[tuple[str, object]
             if len(fields) != len(set(fields)):
                 continue
             cand = replace(spec, **{k: v for _, upd in combo for k, v in upd.items()})
-            if cand.problems():
+            if cand.problems() or len(plan_lib.unavailable(cand)) > len(plan_lib.unavailable(spec)):
                 continue
             p = predict_spec(cand)
             if p.memory.total <= p.capacity:

@@ -2,11 +2,10 @@
 
 Rows compared (ratios are predicted / compiled):
 - memory: argument + output bytes (`memory_analysis`), and temp;
-- communication per (kind, mesh axes) of the census, in bytes. The prediction is first put in
-  the kinds the backend emits: on XLA:CPU a reduce-scatter is an all-reduce + slice (each
-  predicted collective carries its `cpu_kind`), so it joins the all-reduce row of its axes. A
-  collective marked `optional` (XLA may merge it with an identical earlier one) is counted when
-  that brings the row closer to the census, and the row says so;
+- communication per (kind, mesh axes) of the census, in bytes, through the same comparison as
+  `jaxscale inspect`'s theory (`jaxscale.compiled.theory_vs_census`): on XLA:CPU a
+  reduce-scatter joins the all-reduce row of its axes (it is emitted as all-reduce + slice), and
+  an `optional` collective is counted when that brings the row closer to the census;
 - FLOPs: matmul FLOPs per device against the HLO's dot FLOPs (loop trip counts included).
 On XLA:CPU `memory_analysis` counts host-offloaded (`pinned_host`) state as arguments, so the
 comparison adds the planner's host-resident state to its argument + output bytes.
@@ -14,38 +13,19 @@ comparison adds the planner's host-resident state to its argument + output bytes
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 TOLERANCE = {"argument+output": 0.05, "temp": 0.15, "collective": 0.02, "flops": 0.05}
 
 
 def comm_rows(pred, census: list[dict], backend: str = "cpu") -> list[dict]:
-    want: dict[tuple, list] = defaultdict(lambda: [0.0, 0.0, []])   # required, optional, what
-    for c in pred.collectives:
-        kind = (c.cpu_kind or c.kind) if backend == "cpu" else c.kind
-        row = want[(kind, tuple(c.axes))]
-        row[1 if c.optional else 0] += c.bytes
-        row[2].append(c.what + (" [optional]" if c.optional else ""))
-    got = defaultdict(float)
-    for c in census:
-        got[(c["kind"], tuple(c["axes"]))] += c["bytes"]
-    rows = []
-    for key in sorted(set(want) | set(got)):
-        required, optional, what = want.get(key, (0.0, 0.0, []))
-        measured = got.get(key, 0.0)
-        predicted, note = required, ""
-        if optional and abs(required + optional - measured) < abs(required - measured):
-            predicted, note = required + optional, "optional collective emitted"
-        elif optional:
-            note = "optional collective merged by XLA"
-        if backend == "cpu" and any(c.cpu_kind and (c.cpu_kind, tuple(c.axes)) == key
-                                    for c in pred.collectives):
-            note = "; ".join(n for n in (note, "includes reduce-scatters XLA:CPU emits as "
-                                         "all-reduce + slice") if n)
-        rows.append({"kind": key[0], "axes": list(key[1]), "predicted": predicted,
-                     "compiled": measured, "ratio": predicted / measured if measured else None,
-                     "what": "; ".join(what), "note": note})
-    return rows
+    """The collectives of `pred` against the census: `jaxscale.compiled.theory_vs_census` (the
+    one comparison `inspect` prints too), with `predicted` / `compiled` bytes and their ratio."""
+    from jaxscale.compiled import theory_vs_census
+    return [{"kind": r["kind"], "axes": r["axes"], "predicted": r["theory_bytes"],
+             "compiled": r["census_bytes"],
+             "ratio": r["theory_bytes"] / r["census_bytes"] if r["census_bytes"] else None,
+             "what": r["what"], "note": r["note"]}
+            for r in theory_vs_census(pred.collectives, census, backend)]
 
 
 def compare(pred, report: dict, backend: str = "cpu") -> dict:

@@ -4,8 +4,9 @@ The global batch [B, T] is split into k micro-batches of B/k rows, taking every 
 device's contiguous block of rows contributes equally to every micro-batch and no data moves.
 Gradients of the *summed* token losses are added up and divided once by the batch's total real
 tokens: k micro-batches give the gradients of one k-times batch, padding included.
-Memory: activations of one micro-batch (~1/k) live at a time, plus one fp32 gradient
-accumulator (16-bit gradients are accumulated in fp32, so their reduction is in fp32 too).
+Saves: activations of one micro-batch (~1/k) live at a time (the planner sizes activations per
+micro-batch). Costs: one fp32 gradient accumulator (16-bit gradients are accumulated in fp32, so
+their reduction is in fp32 too), k smaller matmuls instead of one, and the collectives below.
 Collectives: the minimum is one gradient reduction per step, on the summed accumulator; XLA's
 partitioner instead reduces each micro-batch's gradients inside the loop (k reductions per step,
 visible in the census), trading communication for a sharded accumulator under ZeRO-2/FSDP.
@@ -16,6 +17,48 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.axes import constrain
+from jaxscale.strategies.common import Term
+
+NAME = "accumulate"
+AVAILABLE = True
+
+
+def active(spec) -> bool:
+    return spec.accumulate > 1
+
+
+def problems(spec) -> list[str]:
+    k, data = spec.accumulate, spec.data_degree
+    if k < 1:
+        return [f"plan.accumulate={k} must be >= 1"]
+    if spec.batch % data == 0 and spec.batch % (k * data):
+        return [f"data.batch_size={spec.batch} must be divisible by plan.accumulate x the data "
+                f"degree = {k} x {data}: each micro-batch is split over the data axes"]
+    return []
+
+
+def rules(spec, rules) -> None:
+    """Accumulation adds no sharding rule."""
+
+
+def collectives(spec) -> list:
+    """None of its own: each strategy's per-step collectives count k micro-batches where XLA
+    issues them per micro-batch (gradient reductions, FSDP gathers, TP all-reduces)."""
+    return []
+
+
+def memory(spec) -> list[Term]:
+    """The fp32 gradient accumulator, live through the backward and into the update."""
+    if not active(spec):
+        return []
+    from jaxscale.planner.params import shards
+    acc = shards(spec).params * 4
+    return [Term("backward", acc, "fp32 gradient accumulator"),
+            Term("update", acc, "fp32 gradient accumulator")]
+
+
+def label(spec) -> list[str]:
+    return [f"acc{spec.accumulate}"] if active(spec) else []
 
 
 def split(batch: dict, k: int) -> dict:

@@ -2,32 +2,103 @@
 
 Rules: parameters (and so gradients and optimizer state, which follow the parameter shardings)
 are sharded on their `embed` dimension over `fsdp`; the batch is split over `fsdp` too.
-Collectives per step: all-gather of each layer's parameters in the forward, again in the
-backward where XLA does not keep the gathered copy, and a reduce-scatter of the gradients:
-3 x parameter bytes x (n-1)/n on the wire per device (ZeRO-3's 3 Psi). Memory: model state
-16/n bytes/param; one gathered layer (plus prefetch) of full parameters is live at a time.
+Saves: model state 16/n bytes/param. Costs: one gathered layer of full parameters (and its
+unreduced gradient) live at a time, and 3 x parameter bytes x (n-1)/n on the wire per device per
+step (ZeRO-3's 3 Psi). Collectives (arXiv 1910.02054, as XLA compiles them): an all-gather of
+every parameter in the forward and of the layer parameters and final norm again in the backward;
+the embedding is not gathered again (its gradient is a scatter-add into the local shard). The LM
+head's backward gather is `optional`: XLA's CSE sometimes reuses the forward copy and sometimes
+does not (seen both ways on one mesh at different batch sizes). With accumulation the layer
+gathers repeat per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted
+out of the micro-batch loop. A remat policy gathers the layers' RMSNorm scales once more for the
+replayed forward. The gradient reduce-scatter is part of the data axes' reduction (`dp.py`).
+ZeRO-3 over `dp` is FSDP over (dp, fsdp): the same gathers, over both axes.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Collective
+import math
 
-AXIS = "fsdp"
-DATA_AXIS = True
+from jaxscale.strategies.common import Comm, Term
 
-
-def rules(rules) -> None:
-    rules.add("embed", "fsdp", by="fsdp")
+NAME = "fsdp"
+AVAILABLE = True
 
 
-def theory(mesh_cfg, gathered_bytes: float, embedding_bytes: float, grad_bytes: float,
-           micro_batches: int = 1) -> list[Collective]:
-    """`gathered_bytes`: working parameters per device once gathered over fsdp;
-    `embedding_bytes`: the table's share, which the backward does not gather again (its gradient
-    is a scatter-add into the local shard); parameters are gathered once per micro-batch."""
-    if mesh_cfg.fsdp == 1:
+def gather_axes(spec) -> tuple[str, ...]:
+    """Mesh axes the parameters are gathered over: fsdp, and dp under ZeRO-3."""
+    names = ["fsdp"] if spec.deg("fsdp") > 1 else []
+    if spec.zero >= 3 and spec.deg("dp") > 1:
+        names.insert(0, "dp")
+    return tuple(names)
+
+
+def active(spec) -> bool:
+    return spec.deg("fsdp") > 1
+
+
+def problems(spec) -> list[str]:
+    f = spec.deg("fsdp")
+    if spec.model.dim % f:
+        return [f"model.dim={spec.model.dim} is not divisible by mesh.fsdp={f}: FSDP shards every "
+                f"parameter on its embed dimension; choose fsdp dividing it"]
+    return []
+
+
+def rules(spec, rules) -> None:
+    if active(spec):
+        rules.add("embed", "fsdp", by="fsdp")
+
+
+def collectives(spec) -> list[Comm]:
+    from jaxscale.planner.params import leaves
+    axes = gather_axes(spec)
+    if not axes:
         return []
-    k = micro_batches
-    return [Collective("all-gather", ("fsdp",), k * gathered_bytes, what="parameters, forward"),
-            Collective("all-gather", ("fsdp",), k * (gathered_bytes - embedding_bytes),
-                       what="parameters but the embedding, backward"),
-            Collective("reduce-scatter", ("fsdp",), grad_bytes, what="gradients")]
+    k, pb = max(1, spec.accumulate), spec.wire_param_itemsize
+    n = math.prod(spec.deg(a) for a in axes)
+    layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
+    count_f = count_b = 0
+    for leaf in leaves(spec.model):
+        size = leaf.local_size(spec, drop=("fsdp",)) * pb
+        count_f += int(spec.stage_layers if leaf.stacked else 1)      # gathers issued
+        if leaf.path.startswith("layers/"):
+            layer_f += size
+            layer_b += size
+            count_b += int(spec.stage_layers if leaf.stacked else 1)
+            norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
+        elif leaf.path == "head":
+            outer_f += size
+            head = size
+        else:
+            outer_f += size
+            if leaf.use != "embedding":
+                outer_b += size
+                count_b += 1
+    out = [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
+                "parameters, forward", group=n, overlap=True),
+           Comm("all-gather", axes, layer_b * k + outer_b, count_b * k,
+                "layer parameters and final norm, backward (the embedding is not regathered)",
+                group=n, overlap=True)]
+    if spec.remat not in ("none", ""):
+        # the replayed forward gathers the RMSNorm scales again (the matmul weights gathered
+        # for the backward serve the replay too)
+        out.append(Comm("all-gather", axes, norms * k, 2 * spec.stage_layers * k,
+                        "RMSNorm scales again for the rematerialised forward", group=n,
+                        overlap=True))
+    if head:
+        out.append(Comm("all-gather", axes, head, 1, "LM head, backward (XLA may reuse the "
+                        "forward gather)", group=n, optional=True, overlap=True))
+    return out
+
+
+def memory(spec) -> list[Term]:
+    """One gathered layer of weights and that layer's unreduced gradient, during the backward."""
+    if not gather_axes(spec):
+        return []
+    from jaxscale.planner.params import shards
+    return [Term("backward", 2 * shards(spec).gathered_layer * spec.wire_param_itemsize,
+                 "one gathered layer and its unreduced gradient")]
+
+
+def label(spec) -> list[str]:
+    return []

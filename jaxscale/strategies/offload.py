@@ -9,6 +9,10 @@ policy (`plan.remat=offload`), not here.
 """
 from __future__ import annotations
 
+from jaxscale.strategies.common import Term
+
+NAME = "offload"
+AVAILABLE = True
 PARTS = ("optimizer", "master", "params")
 HOST = "pinned_host"
 
@@ -24,12 +28,58 @@ def parse(spec: str) -> frozenset[str]:
     return parts
 
 
-def validate(plan_cfg, has_master: bool) -> list[str]:
+def memory_kind(part: str, parts: frozenset[str]) -> str | None:
+    """Where a part of the train state lives between steps: host memory when offloaded."""
+    return HOST if part in parts else None
+
+
+def move(tree, shardings, parts: frozenset[str]):
+    """Inside the step: `tree` to `shardings` (device memory on the way in, its home memory kind
+    on the way out); nothing to do when nothing is offloaded."""
+    if tree is None or not parts:
+        return tree
+    import jax
+    return jax.device_put(tree, shardings)
+
+
+# ----------------------------------------------------------------------------- protocol
+def active(spec) -> bool:
+    return not problems(spec) and bool(parse(spec.offload))
+
+
+def problems(spec) -> list[str]:
     try:
-        parts = parse(plan_cfg.offload)
+        parts = parse(spec.offload)
     except ValueError as e:
         return [str(e)]
-    if "master" in parts and not has_master:
-        return [f"plan.offload includes 'master' but plan.precision={plan_cfg.precision} keeps no "
+    if "master" in parts and not spec.mixed:
+        return [f"plan.offload includes 'master' but plan.precision={spec.precision} keeps no "
                 f"separate fp32 master weights; offload 'params' or 'optimizer', or use bf16/fp16"]
     return []
+
+
+def rules(spec, rules) -> None:
+    """Offload adds no sharding rule (the state keeps its shardings, in host memory)."""
+
+
+def collectives(spec) -> list:
+    """None: the device<->host copies are PCIe transfers, charged by the planner's time model."""
+    return []
+
+
+def memory(spec) -> list[Term]:
+    """Each offloaded part leaves device memory for host memory, byte for byte."""
+    if not active(spec):
+        return []
+    from jaxscale.strategies.precision import state_bytes
+    state = state_bytes(spec)
+    out = []
+    for part in PARTS:
+        if part in parse(spec.offload):
+            out += [Term(part, -state[part], f"{part} offloaded to host memory"),
+                    Term("host", state[part], f"{part} in host memory", part=part)]
+    return out
+
+
+def label(spec) -> list[str]:
+    return [f"offload={spec.offload}"] if active(spec) else []

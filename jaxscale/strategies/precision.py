@@ -7,9 +7,9 @@ dynamic loss scaling for fp16.
 | bf16   | bf16           | bf16    | fp32        | bf16                            | fp32   |
 | fp16   | fp16           | fp16    | fp32        | fp16, loss-scaled               | fp32   |
 
-Memory: with Adam, bf16/fp16 hold 2 (params) + 2 (grads) + 4 (master) + 8 (moments) = 16 bytes
-per parameter (ZeRO's accounting), fp32 holds 4 + 4 + 8 = 16 as well but activations and
-gradient collectives are half the size in 16-bit. Collectives: none added; gradient all-reduce /
+Saves: with Adam, bf16/fp16 hold 2 (params) + 2 (grads) + 4 (master) + 8 (moments) = 16 bytes
+per parameter (ZeRO's accounting), fp32 holds 4 + 4 + 8 = 16 as well, but activations and
+gradient collectives are half the size in 16-bit. Costs: numerics (loss scaling for fp16). Collectives: none added; gradient all-reduce /
 reduce-scatter bytes halve because gradients are taken with respect to the 16-bit parameters
 (except the LM head's and the norm scales', whose products accumulate in f32: 0.544 of fp32 on the
 tiny model). XLA:CPU widens bf16 all-reduces to f32 after partitioning, so only GPUs show it.
@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jaxscale.strategies.common import Term, dtype_bytes
+
+NAME = "precision"
+AVAILABLE = True
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ _BASE = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16",
 
 
 def policy(plan_cfg) -> Policy:
+    """The policy of a `PlanConfig` (or anything with `precision` and `loss_scale`)."""
     name = plan_cfg.precision
     if name not in _BASE:
         raise ValueError(f"unknown plan.precision {name!r}; valid: {', '.join(_BASE)}")
@@ -65,6 +71,70 @@ def policy(plan_cfg) -> Policy:
     return Policy(name, pd, cd, "float32", master, scale)
 
 
+# ----------------------------------------------------------------------------- sizes
+def mixed(spec) -> bool:
+    """16-bit working parameters with fp32 master weights."""
+    return _BASE.get(spec.precision, ("", "", False))[2]
+
+
+def param_itemsize(spec) -> int:
+    """Bytes of a stored working parameter (and of a gradient)."""
+    return dtype_bytes(_BASE[spec.precision][0]) if mixed(spec) else \
+        dtype_bytes(spec.model.param_dtype)
+
+
+def compute_itemsize(spec) -> int:
+    """Bytes of an activation element in the compute dtype (before any backend widening)."""
+    return dtype_bytes(_BASE[spec.precision][1]) if mixed(spec) else dtype_bytes(spec.model.dtype)
+
+
+def state_bytes(spec) -> dict[str, float]:
+    """Per-device bytes of the model state with Adam: working parameters, gradients, fp32 master
+    weights (16-bit policies) and the two moments (fp32 for 16-bit policies), over the elements
+    each part keeps under the plan (`jaxscale.planner.params.shards`: the rules and ZeRO)."""
+    from jaxscale.planner.params import shards
+    sh = shards(spec)
+    pb = param_itemsize(spec)
+    return {"params": sh.params * pb, "grads": sh.grads * pb,
+            "master": sh.optimizer * 4 if mixed(spec) else 0.0,
+            "optimizer": 2 * sh.optimizer * (4 if mixed(spec) else pb)}
+
+
+# ----------------------------------------------------------------------------- protocol
+def active(spec) -> bool:
+    return spec.precision != "fp32"
+
+
+def problems(spec) -> list[str]:
+    try:
+        policy(spec)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def rules(spec, rules) -> None:
+    """Precision adds no sharding rule."""
+
+
+def collectives(spec) -> list:
+    """None added: gradient collectives carry the parameter dtype (see the module docstring)."""
+    return []
+
+
+def memory(spec) -> list[Term]:
+    """The model state: 16 bytes/parameter with Adam either way (2 + 2 + 4 + 8 mixed, 4 + 4 + 8
+    fp32), per device as the plan shards it."""
+    what = {"params": "working parameters", "grads": "gradients", "master": "fp32 master weights",
+            "optimizer": "Adam moments"}
+    return [Term(row, b, what[row]) for row, b in state_bytes(spec).items()]
+
+
+def label(spec) -> list[str]:
+    return []      # the plan's label always ends with its precision
+
+
+# ----------------------------------------------------------------------------- the step
 def init_loss_scale(pol: Policy):
     if pol.loss_scale is None:
         return None
@@ -84,3 +154,9 @@ def update_loss_scale(ls, finite, growth_interval: int):
 
 def cast_tree(tree, dtype: str):
     return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def keep_if_finite(finite, new, old):
+    """The step's guard: the new values where the step was finite, else the old ones (a skipped
+    step leaves parameters, master weights and optimizer state untouched)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

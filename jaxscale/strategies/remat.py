@@ -1,7 +1,7 @@
 r"""Activation checkpointing (rematerialisation) as policies over the model's named activations.
 
-The model tags activations with `checkpoint_name` (`jaxscale.models.llama.TAGS`); each layer's pure
-function is wrapped in `jax.checkpoint` with a policy saying, per name, save (keep for the
+The model tags activations with `checkpoint_name` (`jaxscale.models.llama.TAGS`); each layer's
+pure function is wrapped in `jax.checkpoint` with a policy saying, per name, save (keep for the
 backward), remat (recompute in the backward) or offload (keep in `pinned_host` memory):
 
 | policy               | saved                                        | recomputed per layer      |
@@ -13,29 +13,37 @@ backward), remat (recompute in the backward) or offload (keep in `pinned_host` m
 | `offload`            | projections and attention output, on the host | the rest                  |
 | custom `name:save\|remat\|offload,...` | as given; unnamed tags are rematerialised | |
 
-Cost: full remat replays each layer's forward but its last matmul (whose output no backward
-needs), so block FLOPs grow a little under 4/3 (tests/test_memory.py has the exact ratio); memory falls to
-one [b, s, h] input per layer plus one layer's activations live at a time. Collectives: under TP
-or FSDP the recomputed forward repeats its all-reduces / all-gathers. Offload adds device<->host
-copies (PCIe bandwidth) instead of recompute.
+Saves: activations fall to the layer input plus what the policy keeps, per layer; one layer's
+activations are rebuilt while its backward runs. Costs: full remat replays each layer's forward
+but its last matmul (whose output no backward needs), so block FLOPs grow a little under 4/3
+(`jaxscale.planner.perf.recompute_per_token` has the exact replay). Collectives: under TP the
+replayed forward repeats the attention-output all-reduce (unless `o_proj` is kept); under FSDP
+it gathers the RMSNorm scales again (see `tp.py`, `fsdp.py`). Offload adds device<->host copies
+(PCIe bandwidth) instead of recompute.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-import jax
-
 from jaxscale.models.llama import TAGS
+from jaxscale.strategies.common import Term
 
+NAME = "remat"
+AVAILABLE = True
 POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
-OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 ACTIONS = ("save", "remat", "offload")
+#: what `save_dots` keeps: the outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`)
+SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+#: what `offload` sends to host memory
+OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 
 
 def parse(spec: str) -> dict[str, str] | str:
     """A policy name, or a custom {tag: action} mapping from 'tag:action,...'."""
     if spec in POLICIES:
         return spec
+    if spec == "":
+        return "none"
     if ":" not in spec:
         raise ValueError(f"unknown plan.remat {spec!r}; valid: {', '.join(POLICIES)}, or a custom "
                          f"mapping like 'attn_out:save,mlp_hidden:offload' over the model's tags: "
@@ -53,8 +61,65 @@ def parse(spec: str) -> dict[str, str] | str:
     return mapping
 
 
+def actions(spec: str) -> dict[str, str]:
+    """tag -> save | remat | offload for every tag (the layer input is always saved)."""
+    p = parse(spec)
+    if p == "none":
+        return {t: "save" for t in TAGS}
+    if p == "full":
+        return {t: "remat" for t in TAGS}
+    if p == "save_dots":
+        return {t: "save" if t in SAVE_DOTS else "remat" for t in TAGS}
+    if p == "save_attention_out":
+        return {t: "save" if t == "attn_out" else "remat" for t in TAGS}
+    if p == "offload":
+        return {t: "offload" if t in OFFLOADED else "remat" for t in TAGS}
+    return {t: p.get(t, "remat") for t in TAGS}
+
+
+# ----------------------------------------------------------------------------- protocol
+def active(spec) -> bool:
+    return parse(spec.remat) != "none"
+
+
+def problems(spec) -> list[str]:
+    try:
+        parse(spec.remat)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def rules(spec, rules) -> None:
+    """Remat adds no sharding rule."""
+
+
+def collectives(spec) -> list:
+    """None of its own: the replayed forward's collectives belong to the strategy issuing them."""
+    return []
+
+
+def memory(spec) -> list[Term]:
+    """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
+    offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`)."""
+    from jaxscale.planner.activations import of_spec
+    la = of_spec(spec)
+    n = spec.stage_layers
+    out = [Term("activations", la.saved * n, f"saved for the backward (remat={spec.remat})")]
+    if la.host:
+        out.append(Term("host", la.host * n, "activations offloaded by the remat policy",
+                        part="activations"))
+    return out
+
+
+def label(spec) -> list[str]:
+    return [f"remat={spec.remat}"] if active(spec) else []
+
+
+# ----------------------------------------------------------------------------- the step
 def checkpoint_policy(spec: str):
     """The `jax.checkpoint` policy for `spec`, or None for no checkpointing."""
+    import jax
     p = parse(spec)
     cp = jax.checkpoint_policies
     if p == "none":
@@ -77,7 +142,9 @@ def checkpoint_policy(spec: str):
 
 
 def block_wrapper(spec: str) -> Callable | None:
-    policy = checkpoint_policy(spec)
+    """What the model applies to each block's pure function: `jax.checkpoint` with the policy."""
+    import jax
     if parse(spec) == "none":
         return None
+    policy = checkpoint_policy(spec)
     return lambda f: jax.checkpoint(f, policy=policy)

@@ -1,50 +1,92 @@
-"""Megatron tensor parallelism over the `tp` mesh axis.
+"""Megatron tensor parallelism over the `tp` mesh axis (arXiv 1909.08053).
 
 Rules: `heads`, `kv_heads`, `mlp` and `vocab` over `tp`: Q/K/V and the MLP gate/up projections
 are column-parallel, the attention output and MLP down projections row-parallel, the embedding
 and LM head vocabulary-parallel (the cross-entropy reduces max/sum over `tp` without gathering
-the logits). Collectives: per layer, two activation all-reduces of [b, s, h] in the forward
-(after the row-parallel matmuls) and two in the backward (into the column-parallel inputs); one
-more each for the vocabulary-parallel embedding (forward) and head (backward); small [b, s]
-all-reduces for the softmax statistics. Memory: weights and the head/mlp activations split t ways;
-the [b, s, h] residual stream stays replicated (sequence parallelism splits it).
+the logits). Saves: weights and the head/MLP activations split t ways; the [b, s, h] residual
+stream stays replicated (Megatron sequence parallelism, `plan.sequence_parallel`, splits it).
+Costs: activation collectives on the critical path. Per layer and micro-batch, with
+bsh = micro-batch x sequence x dim x compute bytes: 2 all-reduces of bsh in the forward (after
+the row-parallel matmuls) and, as XLA compiles jaxscale's block, 5 in the backward: the input
+gradients of q, k, v, gate and up are reduced separately because the model keeps them as
+separate weights (Megatron's minimum is 2, with fused QKV and gate-up weights; `Comm.minimum`).
+A rematerialised forward repeats the attention-output all-reduce unless it kept `o_proj` (the
+MLP-down output only feeds the residual, so XLA never recomputes it). Plus the vocabulary-
+parallel embedding (forward) and head input gradient (backward), and 3 fp32 [b, s] softmax
+statistics (max, sum, target logit). Sequence parallelism turns each all-reduce into a
+reduce-scatter + all-gather pair of the same total bytes.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Collective
+from jaxscale.strategies.common import Comm, Term
 
-AXIS = "tp"
-DATA_AXIS = False
+NAME = "tp"
+AVAILABLE = True
 SHARDED = ("heads", "kv_heads", "mlp", "vocab")
+_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 
 
-def rules(rules) -> None:
-    for name in SHARDED:
-        rules.add(name, "tp", by="tp")
+def active(spec) -> bool:
+    return spec.deg("tp") > 1
 
 
-def validate(model, tp: int) -> list[str]:
-    errs = []
-    for field in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-        v = getattr(model, field)
-        if v % tp:
-            errs.append(f"model.{field}={v} is not divisible by mesh.tp={tp}: choose tp dividing "
-                        f"it or change the model (tensor parallelism splits {field} over tp)")
+def problems(spec) -> list[str]:
+    t, errs = spec.deg("tp"), []
+    for name in _FIELDS:
+        v = getattr(spec.model, name)
+        if v % t:
+            errs.append(f"model.{name}={v} is not divisible by mesh.tp={t}: choose tp dividing it "
+                        f"or change the model (tensor parallelism splits {name} over tp)")
     return errs
 
 
-def theory(cfg, mesh_cfg, local_batch: int, act_elem_bytes: int, recompute: bool) -> list[Collective]:
-    """Per-device activation all-reduces; a fully rematerialised layer repeats its forward two."""
-    if mesh_cfg.tp == 1:
+def rules(spec, rules) -> None:
+    if active(spec):
+        for name in SHARDED:
+            rules.add(name, "tp", by="tp")
+
+
+def _activation_bytes(spec) -> float:
+    """One [micro-batch, local sequence, dim] activation in the compute dtype (bsh)."""
+    return spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+
+
+def collectives(spec) -> list[Comm]:
+    t = spec.deg("tp")
+    if t == 1:
         return []
-    m = cfg.model
-    act = local_batch * cfg.data.seq_len * m.dim * act_elem_bytes
-    stats = local_batch * cfg.data.seq_len * 4
-    per_layer = 6 if recompute else 4
-    return [Collective("all-reduce", ("tp",), per_layer * m.n_layers * act, per_layer * m.n_layers,
-                       "block activations: 2 forward + 2 backward per layer"
-                       + (" + 2 recomputed" if recompute else "")),
-            Collective("all-reduce", ("tp",), 2 * act, 2,
-                       "vocab-parallel embedding (fwd) and head input gradient (bwd)"),
-            Collective("all-reduce", ("tp",), 3 * stats, 3,
-                       "softmax max, sum and target logit over the vocabulary")]
+    from jaxscale.strategies.remat import actions
+    L, k = spec.stage_layers, max(1, spec.accumulate)
+    act = _activation_bytes(spec)
+    redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
+    fwd, bwd = (2 + redo) * L * k, 5 * L * k
+    stats = 3 * spec.micro_batch * spec.local_seq * 4 * k
+    if spec.sequence_parallel:
+        rows = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd), "block outputs, forward",
+                     group=t),
+                Comm("all-gather", ("tp",), fwd * act, int(fwd), "block inputs, forward", group=t),
+                Comm("reduce-scatter", ("tp",), bwd * act, int(bwd),
+                     "input gradients of q, k, v, gate, up, backward", group=t),
+                Comm("all-gather", ("tp",), 2 * L * k * act, int(2 * L * k),
+                     "norm outputs for the weight gradients, backward", group=t)]
+    else:
+        rows = [Comm("all-reduce", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
+                     f"block activations: {2 + redo} forward + 5 backward per layer", group=t,
+                     minimum=(fwd + 2 * L * k) * act)]
+    rows.append(Comm("all-reduce", ("tp",), 2 * act * k, 2 * k,
+                     "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t))
+    rows.append(Comm("all-reduce", ("tp",), stats, 3 * k,
+                     "softmax max, sum and target logit over the vocabulary", group=t))
+    return rows
+
+
+def memory(spec) -> list[Term]:
+    """The buffers of the backward's q/k/v input-gradient all-reduces (3 bsh)."""
+    if not active(spec):
+        return []
+    bsh = _activation_bytes(spec) / (spec.deg("tp") if spec.sequence_parallel else 1)
+    return [Term("backward", 3 * bsh, "q/k/v input-gradient all-reduce buffers")]
+
+
+def label(spec) -> list[str]:
+    return []

@@ -10,20 +10,44 @@
 Each sharded tensor is split over `dp` on one dimension: the one FSDP already shards (the two
 axes then nest as ('dp', 'fsdp')), else the first unsharded dimension that `dp` divides; a tensor
 with no such dimension stays replicated (norm scales of odd sizes, say).
-Collectives per step: stage 1 all-reduces gradients (2 Psi), updates its shard and all-gathers the
-new parameters (Psi); stage 2 reduce-scatters gradients (Psi) and all-gathers parameters (Psi):
-2 Psi; stage 3 all-gathers parameters in forward and backward and reduce-scatters gradients:
-3 Psi. (XLA may turn stage 1's all-reduce + slice into a reduce-scatter itself.)
+Saves: the state above, per device. Costs, in collectives per step: stage 1 all-reduces
+gradients (2 Psi), updates its shard and all-gathers the new parameters (Psi); stage 2
+reduce-scatters gradients (Psi) and all-gathers parameters (Psi): 2 Psi; stage 3 all-gathers parameters in forward and
+backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's, over (dp, fsdp): `fsdp.py`;
+the gradient reduction is the data axes', `dp.py`). XLA may turn stage 1's all-reduce + slice
+into a reduce-scatter itself. On a mesh with fsdp too, the ZeRO shards nest as ('dp', 'fsdp') on
+the fsdp dimension while fsdp-sharded values are fsdp-major: XLA re-lays the shards with a
+permute over (dp, fsdp) (half the devices swap), once at stage 2; at stage 1 the update and the
+non-finite select each run in the ZeRO layout, so the shard moves 4 times and the parameters are
+gathered twice.
+
+In the step (`jaxscale.train`): `state_specs` gives each part of the train state its layout;
+gradients take the sharded layout from stage 2 (`StateSpecs.grads`).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.strategies.common import Collective
+from jaxscale.strategies.common import Comm, Term
 
+NAME = "zero"
+AVAILABLE = True
 AXIS = "dp"
+#: the first stage that shards each part of the state over dp
+STAGE_OF = {"optimizer": 1, "master": 1, "grads": 2, "params": 3}
+
+
+def stage(spec) -> int:
+    """The stage in force: ZeRO needs dp > 1 (fsdp already shards everything)."""
+    return spec.zero if spec.deg(AXIS) > 1 else 0
+
+
+def shard_factor(spec, part: str) -> int:
+    """How many ways ZeRO splits a part of the state (params, grads, master, optimizer)."""
+    return spec.deg(AXIS) if stage(spec) >= STAGE_OF[part] else 1
 
 
 def shard_spec(spec: P, shape: tuple[int, ...], axis_sizes: dict[str, int], axis: str = AXIS) -> P:
@@ -50,26 +74,75 @@ def _axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def validate(plan_cfg, mesh_cfg) -> list[str]:
-    z = plan_cfg.zero
+@dataclass(frozen=True)
+class StateSpecs:
+    """Mesh specs of each part of the train state under a ZeRO stage."""
+    params: object          # the working parameters (ZeRO-3: sharded over dp too)
+    model: object           # the parameters as the model rules shard them (what compute sees)
+    shards: object          # master weights and optimizer state (ZeRO-1+: sharded over dp)
+    grads: object           # the reduced gradients (ZeRO-2+: sharded over dp)
+
+
+def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int]) -> StateSpecs:
+    """Each state part's specs from the model's parameter specs and shapes (trees of
+    PartitionSpec and shaped leaves)."""
+    import jax
+    if not zero_stage:
+        return StateSpecs(model_specs, model_specs, model_specs, model_specs)
+    sharded = jax.tree.map(lambda sp, a: shard_spec(sp, a.shape, axis_sizes), model_specs, shapes,
+                           is_leaf=lambda x: isinstance(x, P))
+    return StateSpecs(params=sharded if zero_stage >= 3 else model_specs, model=model_specs,
+                      shards=sharded, grads=sharded if zero_stage >= 2 else model_specs)
+
+
+# ----------------------------------------------------------------------------- protocol
+def active(spec) -> bool:
+    return stage(spec) > 0
+
+
+def problems(spec) -> list[str]:
+    z = spec.zero
     if z not in (0, 1, 2, 3):
         return [f"plan.zero={z}: ZeRO stages are 0, 1, 2 or 3"]
-    if z and mesh_cfg.dp == 1:
+    if z and spec.deg(AXIS) == 1:
         return [f"plan.zero={z} shards state over the dp axis, but mesh.dp=1: give devices to dp "
                 f"(mesh.fsdp already shards parameters, gradients and optimizer state, = ZeRO-3)"]
     return []
 
 
-def theory(stage: int, mesh_cfg, param_bytes: float, embedding_bytes: float, grad_bytes: float,
-           micro_batches: int = 1) -> list[Collective]:
-    """Per-device collectives over dp; bytes are whole (unsharded over dp) per-device tensors."""
-    if stage == 0 or mesh_cfg.dp == 1:
+def rules(spec, rules) -> None:
+    """ZeRO adds no rule for compute: it changes the state layout (`state_specs`)."""
+
+
+def collectives(spec) -> list[Comm]:
+    """Stages 1 and 2: the updated parameters gathered over dp, and (with fsdp) the re-layouts."""
+    z = stage(spec)
+    if z not in (1, 2):
         return []
-    if stage in (1, 2):
-        return [Collective("reduce-scatter", ("dp",), grad_bytes, what="gradients"),
-                Collective("all-gather", ("dp",), param_bytes, what="updated parameters")]
-    k = micro_batches
-    return [Collective("all-gather", ("dp",), k * param_bytes, what="parameters, forward"),
-            Collective("all-gather", ("dp",), k * (param_bytes - embedding_bytes),
-                       what="parameters but the embedding, backward"),
-            Collective("reduce-scatter", ("dp",), grad_bytes, what="gradients")]
+    from jaxscale.planner.params import shards
+    local = shards(spec.with_(zero=0)).params * spec.wire_param_itemsize
+    fsdp = spec.deg("fsdp") > 1
+    gathers = 2 if (z == 1 and fsdp) else 1
+    out = [Comm("all-gather", (AXIS,), gathers * local, gathers, "updated parameters, ZeRO-1/2",
+                group=spec.deg(AXIS), overlap=True)]
+    if fsdp:
+        moves = 4 if z == 1 else 1
+        out.append(Comm("collective-permute", (AXIS, "fsdp"), moves * local / spec.deg(AXIS),
+                        moves, "ZeRO shard re-layout between fsdp-major and ('dp', 'fsdp') order",
+                        group=2, overlap=True))
+    return out
+
+
+def memory(spec) -> list[Term]:
+    """Stage 1 keeps the all-reduced full gradients beside the local ones during the update
+    (the state's own savings are in the state terms: `shard_factor`)."""
+    if stage(spec) != 1:
+        return []
+    from jaxscale.planner.params import shards
+    sh = shards(spec)
+    local = (sh.grads if spec.deg("fsdp") > 1 else sh.params) * spec.wire_param_itemsize
+    return [Term("update", local, "the all-reduced gradients, ZeRO-1")]
+
+
+def label(spec) -> list[str]:
+    return [f"zero{spec.zero}"] if spec.zero else []

@@ -187,7 +187,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
            pre: Preemption) -> dict:
     hint = f": {resume_command}" if resume_command else " (the same command plus --resume)"
     setup = build(cfg)
-    cfg = config_lib.replace_resolved_mesh(cfg, setup.plan.mesh_cfg)
+    cfg = config_lib.replace_resolved_mesh(cfg, setup.placement.mesh_cfg)
     ckdir = ckpt_lib.directory_for(cfg, out)
     start, notes = 0, []
     if resume:

@@ -1,6 +1,6 @@
 """Everything a run needs, built from a `Config` in the one order that matters.
 
-plan (validated against the devices) -> precision policy -> abstract model -> optimizer ->
+placement (the plan validated against the devices: mesh and rules) -> precision policy ->
 state layout (ZeRO stage, offload) and shardings -> jitted train / eval steps. `train`, `inspect`,
 `profile` and the tests all start here, so what is inspected is exactly what is trained.
 """
@@ -22,7 +22,7 @@ from jaxscale.train import step as step_lib
 @dataclass
 class Setup:
     cfg: Any
-    plan: plan_lib.Plan
+    placement: plan_lib.Placement
     policy: precision.Policy
     model: state_lib.FunctionalModel
     optimizer: Any
@@ -39,7 +39,7 @@ class Setup:
         from jaxscale.axes import use_rules
 
         def f(params, batch, scale=1.0):
-            with use_rules(self.plan.mesh, self.plan.rules):
+            with use_rules(self.placement.mesh, self.placement.rules):
                 return self.grads_fn(params, batch, scale)
         jitted = jax.jit(f, in_shardings=(self.device_shardings.params, self.batch_shardings(),
                                             None))
@@ -47,7 +47,7 @@ class Setup:
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model, self.optimizer, self.policy, self.state_shardings,
-                                    self.plan, self.cfg.train.seed)
+                                    self.placement, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:
         return state_lib.abstract_state(self.model, self.optimizer, self.policy,
@@ -55,37 +55,37 @@ class Setup:
 
     def abstract_batch(self) -> dict:
         B, T = self.cfg.data.batch_size, self.cfg.data.seq_len
-        sh = step_lib.batch_shardings(self.plan)
+        sh = step_lib.batch_shardings(self.placement)
         dt = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
         return {k: jax.ShapeDtypeStruct((B, T), dt[k], sharding=sh[k]) for k in dt}
 
     def batch_shardings(self) -> dict:
-        return step_lib.batch_shardings(self.plan)
+        return step_lib.batch_shardings(self.placement)
 
     def lower_train_step(self):
-        with jax.set_mesh(self.plan.mesh):
+        with jax.set_mesh(self.placement.mesh):
             return self.train_step.lower(self.abstract_state(), self.abstract_batch())
 
 
 def build(cfg, devices=None, donate: bool | None = None) -> Setup:
-    plan = plan_lib.build(cfg, devices)
+    placement = plan_lib.place(cfg, devices)
     if cfg.plan.check_memory:          # "does not fit" from the planner, before any compile
         from jaxscale import planner
-        planner.check_fits(cfg, plan.mesh.devices.size)
+        planner.check_fits(cfg, placement.mesh.devices.size)
     pol = precision.policy(cfg.plan)
     model = state_lib.FunctionalModel(dataclasses.replace(
         cfg.model, dtype=pol.compute_dtype, param_dtype="float32"))
     optimizer, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
-    lay = state_lib.layout(model, plan, pol, cfg.plan)
-    host_sh = state_lib.state_shardings(model, optimizer, plan, lay)
-    dev_sh = state_lib.state_shardings(model, optimizer, plan, lay, on_device=True)
+    lay = state_lib.layout(model, placement, pol, cfg.plan)
+    host_sh = state_lib.state_shardings(model, optimizer, placement, lay)
+    dev_sh = state_lib.state_shardings(model, optimizer, placement, lay, on_device=True)
     wrapper = remat.block_wrapper(cfg.plan.remat)
-    train_fn = step_lib.make_train_step(model, optimizer, schedule, plan, pol, lay, dev_sh,
+    train_fn = step_lib.make_train_step(model, optimizer, schedule, placement, pol, lay, dev_sh,
                                         host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper)
-    train_step = step_lib.jit_train_step(train_fn, host_sh, plan,
+    train_step = step_lib.jit_train_step(train_fn, host_sh, placement,
                                          donate=cfg.plan.donate if donate is None else donate)
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, plan, dev_sh.params),
-                                       host_sh, plan)
-    grads_fn = step_lib.make_grads_fn(model, plan, cfg.plan.accumulate, wrapper)
-    return Setup(cfg, plan, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, placement, dev_sh.params),
+                                       host_sh, placement)
+    grads_fn = step_lib.make_grads_fn(model, cfg.plan.accumulate, wrapper)
+    return Setup(cfg, placement, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
                  eval_step, grads_fn)

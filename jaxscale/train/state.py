@@ -47,11 +47,11 @@ class FunctionalModel:
               block_wrapper=None):
         return self.module(params)(tokens_BT, positions_BT, segment_ids_BT, block_wrapper)
 
-    def param_shardings(self, plan) -> dict:
-        return jax.tree.map(lambda s: plan.sharding(tuple(s)), self.logical, is_leaf=_is_spec)
+    def param_shardings(self, placement) -> dict:
+        return jax.tree.map(lambda s: placement.sharding(tuple(s)), self.logical, is_leaf=_is_spec)
 
-    def param_specs(self, plan) -> dict:
-        return jax.tree.map(lambda s: plan.spec(tuple(s)), self.logical, is_leaf=_is_spec)
+    def param_specs(self, placement) -> dict:
+        return jax.tree.map(lambda s: placement.spec_of(tuple(s)), self.logical, is_leaf=_is_spec)
 
 
 @jax.tree_util.register_dataclass
@@ -83,52 +83,52 @@ def _decay_mask(params):
 
 @dataclass
 class StateLayout:
-    """Mesh specs and memory kinds of each part of the train state, from the plan's strategies."""
-    param_specs: Any        # the working parameters (ZeRO-3: sharded over dp too)
-    model_specs: Any        # the parameters as the model rules shard them (what compute sees)
-    shard_specs: Any        # master / optimizer / ZeRO-2 gradients
+    """Mesh specs and memory kinds of each part of the train state, from the plan's strategies:
+    ZeRO's specs per part (`zero.state_specs`), offload's memory kinds (`offload.memory_kind`),
+    precision's master weights and loss scale."""
+    specs: Any              # zero.StateSpecs: params, model, shards (master/optimizer), grads
     master: bool
     loss_scale: bool
     offload: frozenset
     zero: int
 
 
-def layout(model: FunctionalModel, plan, policy, plan_cfg) -> StateLayout:
+def layout(model: FunctionalModel, placement, policy, plan_cfg) -> StateLayout:
     from jaxscale.strategies import offload, zero
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
-    model_specs = model.param_specs(plan)
-    z = plan_cfg.zero
-    zspecs = jax.tree.map(lambda sp, a: zero.shard_spec(sp, a.shape, sizes), model_specs,
-                          model.abstract_params, is_leaf=_is_spec) if z else model_specs
-    return StateLayout(param_specs=zspecs if z == 3 else model_specs, model_specs=model_specs,
-                       shard_specs=zspecs, master=policy.master,
+    sizes = dict(zip(placement.mesh.axis_names, placement.mesh.devices.shape))
+    specs = zero.state_specs(plan_cfg.zero, model.param_specs(placement), model.abstract_params,
+                             sizes)
+    return StateLayout(specs=specs, master=policy.master,
                        loss_scale=policy.loss_scale is not None,
-                       offload=offload.parse(plan_cfg.offload), zero=z)
+                       offload=offload.parse(plan_cfg.offload), zero=plan_cfg.zero)
 
 
-def named_shardings(plan, specs, kind=None):
+def named_shardings(placement, specs, kind=None):
     """A tree of mesh PartitionSpecs -> NamedShardings on the plan's mesh (in memory `kind`)."""
-    return jax.tree.map(lambda sp: NamedSharding(plan.mesh, sp, memory_kind=kind), specs,
+    return jax.tree.map(lambda sp: NamedSharding(placement.mesh, sp, memory_kind=kind), specs,
                         is_leaf=_is_spec)
 
 
-def state_shardings(model: FunctionalModel, optimizer, plan, lay: StateLayout,
+def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayout,
                     on_device: bool = False) -> TrainState:
     """Shardings for the whole train state; optimizer moments follow the tensors they update.
 
     `on_device=True` gives the same shardings with every part in device memory (what the step
     computes with after bringing offloaded parts over)."""
+    from jaxscale.strategies.offload import memory_kind
+
     def kind(part):
-        return "pinned_host" if (part in lay.offload and not on_device) else None
-    opt_target = lay.shard_specs if (lay.master or lay.zero) else lay.param_specs
+        return None if on_device else memory_kind(part, lay.offload)
+    opt_target = lay.specs.shards if (lay.master or lay.zero) else lay.specs.params
     abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt,
-                                   named_shardings(plan, opt_target, kind("optimizer")),
-                                   transform_non_params=lambda _: plan.replicated())
-    rep = plan.replicated()
+                                   named_shardings(placement, opt_target, kind("optimizer")),
+                                   transform_non_params=lambda _: placement.replicated())
+    rep = placement.replicated()
     return TrainState(
-        step=rep, params=named_shardings(plan, lay.param_specs, kind("params")), opt_state=opt_sh,
-        master=named_shardings(plan, lay.shard_specs, kind("master")) if lay.master else None,
+        step=rep, params=named_shardings(placement, lay.specs.params, kind("params")),
+        opt_state=opt_sh,
+        master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None)
 
 
@@ -147,10 +147,10 @@ def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainSt
                         shapes, shardings)
 
 
-def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState, plan,
+def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState, placement,
                seed: int) -> TrainState:
     """Create the train state directly in its shards (and memory kinds)."""
-    with jax.set_mesh(plan.mesh):
+    with jax.set_mesh(placement.mesh):
         return jax.jit(lambda k: _fresh(model, optimizer, policy, k), out_shardings=shardings)(
             jax.random.key(seed))
 

@@ -22,8 +22,8 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxscale.axes import use_rules
-from jaxscale.strategies import accumulate
-from jaxscale.strategies.precision import cast_tree, update_loss_scale
+from jaxscale.strategies import accumulate, offload
+from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
 from jaxscale.train.state import FunctionalModel, StateLayout, TrainState, named_shardings
 
 
@@ -31,8 +31,8 @@ def batch_logical() -> dict[str, tuple[str, ...]]:
     return {"inputs": ("batch", "seq"), "targets": ("batch", "seq"), "mask": ("batch", "seq")}
 
 
-def batch_shardings(plan) -> dict[str, NamedSharding]:
-    return {k: plan.sharding(v) for k, v in batch_logical().items()}
+def batch_shardings(placement) -> dict[str, NamedSharding]:
+    return {k: placement.sharding(v) for k, v in batch_logical().items()}
 
 
 def token_loss(logits_BTV, targets_BT, mask_BT):
@@ -42,7 +42,7 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def make_grads_fn(model: FunctionalModel, plan, k: int = 1, block_wrapper: Callable | None = None):
+def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | None = None):
     """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches.
 
     Differentiates sum(token losses) x scale / (B x T): gradients the size of a mean loss's (what a
@@ -62,26 +62,23 @@ def make_grads_fn(model: FunctionalModel, plan, k: int = 1, block_wrapper: Calla
     return grads_fn
 
 
-def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, lay: StateLayout,
-                    device_sh: TrainState, host_sh: TrainState, k: int = 1,
+def make_train_step(model: FunctionalModel, optimizer, schedule, placement, policy,
+                    lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
-    mesh = plan.mesh
-    grads_fn = make_grads_fn(model, plan, k, block_wrapper)
+    grads_fn = make_grads_fn(model, k, block_wrapper)
 
-    def to(tree, shardings):   # memory-kind moves; nothing to do when nothing is offloaded
-        if tree is None or not lay.offload:
-            return tree
-        return jax.device_put(tree, shardings)
+    def to(tree, shardings):
+        return offload.move(tree, shardings, lay.offload)
 
     def train_step(state: TrainState, batch):
-        with use_rules(mesh, plan.rules):
+        with use_rules(placement.mesh, placement.rules):
             params = to(state.params, device_sh.params)
             opt_state = to(state.opt_state, device_sh.opt_state)
             master = to(state.master, device_sh.master)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             grads, loss, ntok = grads_fn(params, batch, scale)
-            grad_specs = lay.shard_specs if lay.zero >= 2 else lay.param_specs
-            grads = jax.lax.with_sharding_constraint(grads, named_shardings(plan, grad_specs))
+            grads = jax.lax.with_sharding_constraint(grads,
+                                                     named_shardings(placement, lay.specs.grads))
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             target = master if master is not None else params
@@ -91,7 +88,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
                 else new_target
 
         def keep(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            return keep_if_finite(finite, new, old)
         new_state = TrainState(
             step=state.step + 1,
             params=to(keep(new_params, params), host_sh.params),
@@ -107,21 +104,21 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, plan, policy, l
     return train_step
 
 
-def make_eval_step(model: FunctionalModel, plan, device_param_sh):
+def make_eval_step(model: FunctionalModel, placement, device_param_sh):
     def eval_step(params, batch):
-        with use_rules(plan.mesh, plan.rules):
+        with use_rules(placement.mesh, placement.rules):
             logits = model.apply(jax.device_put(params, device_param_sh), batch["inputs"])
         return token_loss(logits, batch["targets"], batch["mask"])
     return eval_step
 
 
-def jit_train_step(step_fn, state_sh: TrainState, plan, donate: bool = True):
-    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(plan)),
-                   out_shardings=(state_sh, plan.replicated()),
+def jit_train_step(step_fn, state_sh: TrainState, placement, donate: bool = True):
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(placement)),
+                   out_shardings=(state_sh, placement.replicated()),
                    donate_argnums=(0,) if donate else ())
 
 
-def jit_eval_step(eval_fn, state_sh: TrainState, plan):
-    return jax.jit(eval_fn, in_shardings=(state_sh.params, batch_shardings(plan)),
-                   out_shardings=plan.replicated())
+def jit_eval_step(eval_fn, state_sh: TrainState, placement):
+    return jax.jit(eval_fn, in_shardings=(state_sh.params, batch_shardings(placement)),
+                   out_shardings=placement.replicated())
 
