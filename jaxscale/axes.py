@@ -8,6 +8,9 @@ silent first match.
 Resolving a tuple of logical names to a `PartitionSpec` drops a mesh axis that an earlier dimension
 of the same array already uses: under FSDP the parameter rule `embed -> fsdp` and the activation
 rule `batch -> (dp, fsdp)` meet in `x[batch, seq, embed]`, where the batch dimension keeps `fsdp`.
+
+JAX is imported only where arrays are touched (`Rules.spec`, `constrain`), so the plan, the
+strategies' formulas and the planner load without it (the CLI sets up simulated devices first).
 """
 from __future__ import annotations
 
@@ -16,8 +19,6 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 #: Mesh axes, outer (slowest link) to inner (fastest link). Nothing else invents axis names.
 MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
@@ -52,7 +53,9 @@ class Rules:
         self.owner[logical] = by
         return self
 
-    def spec(self, names: Iterable[str | None]) -> P:
+    def spec(self, names: Iterable[str | None]):
+        """The mesh `PartitionSpec` of an array with these logical axis names."""
+        from jax.sharding import PartitionSpec as P
         used: set[str] = set()
         out = []
         for n in names:
@@ -65,12 +68,12 @@ class Rules:
         return {k: list(v) for k, v in self.table.items()}
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "jaxscale_rules", default=None)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: Rules):
+def use_rules(mesh, rules: Rules):
     """Make `constrain` shard activations on `mesh` by `rules` while tracing inside the block."""
     token = _ACTIVE.set((mesh, rules))
     try:
@@ -79,16 +82,18 @@ def use_rules(mesh: Mesh, rules: Rules):
         _ACTIVE.reset(token)
 
 
-def active() -> tuple[Mesh, Rules] | None:
+def active():
     return _ACTIVE.get()
 
 
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+def constrain(x, *names: str | None):
     """Sharding constraint by logical names; a no-op outside `use_rules`."""
     ctx = _ACTIVE.get()
     if ctx is None:
         return x
     if len(names) != x.ndim:
         raise ValueError(f"constrain got {len(names)} names {names} for an array of shape {x.shape}")
+    import jax
+    from jax.sharding import NamedSharding
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))

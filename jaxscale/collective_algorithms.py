@@ -33,10 +33,10 @@ The loops are unrolled in Python: every step is one `collective-permute` in the 
 permute is a rendezvous of all device threads (~0.1 ms on 2 cores), so there the algorithms rank
 by step count and one fused `psum` wins; `experiments/10_collectives.py` measures it.
 
-Alpha-beta model (`predict_time`): t = steps * alpha + S * factor / bandwidth, where factor is the
-algorithm's bytes on the wire over S. For the bandwidth-optimal algorithms it is the nccl-tests
-busbw factor (`busbw_factor`): all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all
-(n-1)/n; broadcast and permute 1.
+Alpha-beta model (`predict_time`, through `jaxscale.cost`, the one the planner and the census use):
+t = steps * alpha + S * factor / bandwidth, where factor is the algorithm's bytes on the wire over
+S. For the bandwidth-optimal algorithms it is the nccl-tests busbw factor (`busbw_factor`):
+all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast and permute 1.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxscale import cost as cost_lib
 
 AxisName = str | tuple[str, ...]
 
@@ -317,15 +319,9 @@ def _check_kind(kind: str) -> None:
 
 
 def busbw_factor(kind: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor: busbw = algbw * factor (permute counted as 1)."""
+    """nccl-tests bus-bandwidth factor: busbw = algbw * factor (`jaxscale.cost.busbw_factor`)."""
     _check_kind(kind)
-    if n < 1:
-        raise ValueError(f"need at least one device, got n={n}")
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+    return cost_lib.busbw_factor(kind, n)
 
 
 @dataclass(frozen=True)
@@ -336,8 +332,10 @@ class Cost:
     reduced_bytes: float = 0.0
 
     def time(self, alpha: float, bandwidth: float, gamma: float = 0.0) -> float:
-        """alpha-beta(-gamma): gamma is seconds per byte reduced (0: transfers only)."""
-        return self.steps * alpha + self.wire_bytes / bandwidth + self.reduced_bytes * gamma
+        """alpha-beta(-gamma) (`jaxscale.cost.alpha_beta`): gamma is seconds per byte reduced
+        (0: transfers only)."""
+        return cost_lib.alpha_beta(self.steps, self.wire_bytes, alpha, bandwidth, gamma,
+                                   self.reduced_bytes)
 
 
 def cost(algorithm: str, kind: str, nbytes: float, n: int, *, n_inner: int | None = None) -> Cost:
@@ -359,10 +357,10 @@ def cost(algorithm: str, kind: str, nbytes: float, n: int, *, n_inner: int | Non
     S = float(nbytes)
     reduces = kind in ("all_reduce", "reduce_scatter")
     if algorithm == "ring":
-        steps = {"all_reduce": 2 * (n - 1), "permute": 1}.get(kind, n - 1)
         if n == 1:
             return Cost(0, 0.0)
-        return Cost(steps, S * busbw_factor(kind, n), S * (n - 1) / n if reduces else 0.0)
+        return Cost(cost_lib.ring_steps(kind, n), S * busbw_factor(kind, n),
+                    S * (n - 1) / n if reduces else 0.0)
     if algorithm == "hierarchical":
         if not n_inner or n % n_inner:
             raise ValueError(f"hierarchical needs n_inner dividing n={n}, got {n_inner}")
@@ -390,9 +388,6 @@ def predict_time(algorithm: str, kind: str, nbytes: float, n: int, alpha: float,
     `gamma` > 0 adds the reduction arithmetic, gamma * bytes added per device (the alpha-beta-
     gamma model); it matters where devices share compute, as simulated CPU devices do.
     """
-    if alpha < 0 or bandwidth <= 0 or gamma < 0:
-        raise ValueError(f"need alpha >= 0, bandwidth > 0, gamma >= 0; got {alpha}, {bandwidth}, "
-                         f"{gamma}")
     return cost(algorithm, kind, nbytes, n, n_inner=n_inner).time(alpha, bandwidth, gamma)
 
 

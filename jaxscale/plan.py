@@ -237,14 +237,6 @@ class Placement:
     mesh: object              # jax.sharding.Mesh
     rules: Rules
 
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        return self.spec.data_axes
-
-    @property
-    def data_degree(self) -> int:
-        return self.spec.data_degree
-
     def spec_of(self, logical):
         """The mesh PartitionSpec of an array with these logical axis names."""
         return self.rules.spec(logical)

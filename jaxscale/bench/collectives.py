@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from jaxscale.bench.torch_collectives import KINDS, TorchFailure, TorchJob
+from jaxscale.cost import busbw_factor
 KiB, MiB = 1024, 1024 * 1024
 CPU_MAX_BYTES, GPU_MAX_BYTES = 16 * MiB, 256 * MiB
 
@@ -95,9 +96,6 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return out
 
 
-def busbw_factor(kind: str, n: int) -> float:
-    from jaxscale.collective_algorithms import busbw_factor as f
-    return f(kind, n)
 
 
 # ---------------------------------------------------------------------------------------------

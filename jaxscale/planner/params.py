@@ -98,7 +98,6 @@ class Shards:
     grads: float                  # gradients after reduction (ZeRO-2/3: also over dp)
     optimizer: float              # elements of one optimizer moment (ZeRO-1+: also over dp)
     gathered_layer: float         # one layer's parameters once gathered over fsdp (and dp, ZeRO-3)
-    unreduced_grads: float        # gradients before the data-axis reduction (fsdp/dp gathered)
     total: int
 
 
@@ -119,6 +118,5 @@ def shards(spec) -> Shards:
         grads=local / zero.shard_factor(spec, "grads"),
         optimizer=local / zero.shard_factor(spec, "optimizer"),
         gathered_layer=per_layer,
-        unreduced_grads=sum(gathered),
         total=sum(leaf.size for leaf in ls),
     )

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from jaxscale import plan as plan_lib
 from jaxscale.axes import MESH_AXES as AXES
 from jaxscale.plan import Spec
+from jaxscale.strategies.remat import SEARCHED
 
-REMATS = ("none", "save_dots", "full")
+REMATS = SEARCHED
 
 
 def _divisors(n: int) -> list[int]:
@@ -69,7 +70,7 @@ def candidates(base: Spec) -> list[Spec]:
     n = base.n_devices
     nodes = max(1, math.prod(base.dcn.get(a, 1) for a in AXES))
     per_node = n // nodes
-    axes = ("dp", "pp", "fsdp", "sp", "tp") + (("ep",) if base.moe else ())
+    axes = tuple(a for a in AXES if a != "ep" or base.moe)
     out = []
     for deg in factorizations(n, axes):
         deg = {a: deg.get(a, 1) for a in AXES}
@@ -133,7 +134,7 @@ def fixes(spec: Spec) -> list[tuple[str, dict]]:
     for z in range(spec.zero + 1, 4):
         if dp > 1:
             out.append((f"plan.zero={z}", {"zero": z}))
-    for r in ("save_dots", "full"):
+    for r in REMATS[1:]:
         if spec.remat != r:
             out.append((f"plan.remat={r}", {"remat": r}))
     for k in (2, 4, 8):

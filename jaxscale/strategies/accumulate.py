@@ -13,9 +13,6 @@ visible in the census), trading communication for a sharded accumulator under Ze
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from jaxscale.axes import constrain
 from jaxscale.strategies.common import Term
 
@@ -63,6 +60,9 @@ def label(spec) -> list[str]:
 
 def split(batch: dict, k: int) -> dict:
     """[B, ...] -> [k, B/k, ...], micro-batch j holding rows j, j+k, j+2k, ..."""
+    import jax
+    import jax.numpy as jnp
+
     def f(x):
         B = x.shape[0]
         if B % k:
@@ -76,6 +76,8 @@ def grads(sum_loss_fn, params, batch: dict, k: int):
     """Sum over micro-batches of grad(sum_loss_fn); returns (grads, aux summed).
 
     `sum_loss_fn(params, micro_batch) -> (scalar, aux)` with `aux` a tuple of scalars."""
+    import jax
+    import jax.numpy as jnp
     grad_fn = jax.grad(sum_loss_fn, has_aux=True)
     if k == 1:
         return grad_fn(params, batch)

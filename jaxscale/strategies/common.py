@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with numpy)
 import numpy as np
 
 from jaxscale.cost import busbw_factor

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
-
 from jaxscale.strategies.common import Term, dtype_bytes
 
 NAME = "precision"
@@ -136,6 +133,7 @@ def label(spec) -> list[str]:
 
 # ----------------------------------------------------------------------------- the step
 def init_loss_scale(pol: Policy):
+    import jax.numpy as jnp
     if pol.loss_scale is None:
         return None
     return {"scale": jnp.asarray(pol.loss_scale, jnp.float32), "good_steps": jnp.zeros((), jnp.int32)}
@@ -143,6 +141,7 @@ def init_loss_scale(pol: Policy):
 
 def update_loss_scale(ls, finite, growth_interval: int):
     """Halve on overflow; double after `growth_interval` finite steps in a row."""
+    import jax.numpy as jnp
     if ls is None:
         return None
     good = jnp.where(finite, ls["good_steps"] + 1, 0)
@@ -153,10 +152,13 @@ def update_loss_scale(ls, finite, growth_interval: int):
 
 
 def cast_tree(tree, dtype: str):
+    import jax
     return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
 def keep_if_finite(finite, new, old):
     """The step's guard: the new values where the step was finite, else the old ones (a skipped
     step leaves parameters, master weights and optimizer state untouched)."""
+    import jax
+    import jax.numpy as jnp
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

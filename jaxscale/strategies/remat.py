@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxscale.models.llama import TAGS
 from jaxscale.strategies.common import Term
 
 NAME = "remat"
 AVAILABLE = True
 POLICIES = ("none", "full", "save_dots", "save_attention_out", "offload")
 ACTIONS = ("save", "remat", "offload")
+#: what `jaxscale plan --search` tries, least memory saved first (the others lie between these)
+SEARCHED = ("none", "save_dots", "full")
 #: what `save_dots` keeps: the outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`)
 SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 #: what `offload` sends to host memory
@@ -40,6 +41,7 @@ OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "ml
 
 def parse(spec: str) -> dict[str, str] | str:
     """A policy name, or a custom {tag: action} mapping from 'tag:action,...'."""
+    from jaxscale.models.llama import TAGS
     if spec in POLICIES:
         return spec
     if spec == "":
@@ -63,6 +65,7 @@ def parse(spec: str) -> dict[str, str] | str:
 
 def actions(spec: str) -> dict[str, str]:
     """tag -> save | remat | offload for every tag (the layer input is always saved)."""
+    from jaxscale.models.llama import TAGS
     p = parse(spec)
     if p == "none":
         return {t: "save" for t in TAGS}

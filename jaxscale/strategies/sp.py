@@ -24,9 +24,9 @@ from jaxscale.strategies.common import Comm
 
 NAME = "sp"
 AVAILABLE = False
-UNAVAILABLE = ("mesh.sp={sp}, plan.sequence_parallel={spec.sequence_parallel}: sequence and "
-               "context parallelism are not available yet; set mesh.sp=1 and "
-               "plan.sequence_parallel=false, and give the devices to dp, fsdp or tp")
+UNAVAILABLE = ("sequence and context parallelism (mesh.sp={sp}, plan.sequence_parallel) are not "
+               "available yet: set mesh.sp=1 and plan.sequence_parallel=false, and give the "
+               "devices to dp, fsdp or tp")
 CONTEXTS = ("ring", "ulysses", "allgather")
 
 

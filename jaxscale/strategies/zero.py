@@ -29,8 +29,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jax.sharding import PartitionSpec as P
-
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "zero"
@@ -50,8 +48,9 @@ def shard_factor(spec, part: str) -> int:
     return spec.deg(AXIS) if stage(spec) >= STAGE_OF[part] else 1
 
 
-def shard_spec(spec: P, shape: tuple[int, ...], axis_sizes: dict[str, int], axis: str = AXIS) -> P:
+def shard_spec(spec, shape: tuple[int, ...], axis_sizes: dict[str, int], axis: str = AXIS):
     """`spec` with `axis` added on one dimension (see module docstring)."""
+    from jax.sharding import PartitionSpec as P
     n = axis_sizes.get(axis, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if n == 1 or any(axis in _axes(e) for e in entries):
@@ -87,6 +86,7 @@ def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int]
     """Each state part's specs from the model's parameter specs and shapes (trees of
     PartitionSpec and shaped leaves)."""
     import jax
+    from jax.sharding import PartitionSpec as P
     if not zero_stage:
         return StateSpecs(model_specs, model_specs, model_specs, model_specs)
     sharded = jax.tree.map(lambda sp, a: shard_spec(sp, a.shape, axis_sizes), model_specs, shapes,
