@@ -24,6 +24,14 @@ background thread while training continues. The price is host memory for one ext
 state and a commit that lags the step by the write time (a crash in that window falls back to
 the previous checkpoint). A sync save blocks for the whole write. Experiment 28 measures both.
 
+Integrity: `meta` records a checksum of every state array (`checksums`: two 32-bit sums of the
+array's bits, one weighted by position, computed on the devices; exact integer arithmetic, so
+the value does not depend on the mesh) and a SHA-256 of itself. A restore recomputes them: a
+flipped byte, a truncated file or edited metadata is named with the array and the step
+(`params/layers/mlp/w_up: checksum mismatch in step 40`), and the message names the newest
+checkpoint that passes the same checks, to resume from once the damaged one is moved away.
+Nothing is deleted or changed on the way.
+
 Elastic restore: the restore target is the *new* setup's abstract state (`ShapeDtypeStruct`s
 carrying the new mesh's shardings), so each device reads only the slices of the saved arrays that
 it owns: a checkpoint written on dp2 x fsdp2 x tp2 loads onto fsdp4 or one device without ever
@@ -31,7 +39,10 @@ assembling a full copy on one device.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +51,7 @@ import jax
 import numpy as np
 
 TMP_MARK = ".orbax-checkpoint-tmp"
-META_VERSION = 1
+META_VERSION = 2          # 2: per-array checksums and a metadata digest
 
 
 class CheckpointError(ValueError):
@@ -132,9 +143,52 @@ def leaf_signature(tree) -> dict[str, list]:
             [list(leaf.shape), str(np.dtype(leaf.dtype))] for path, leaf in flat}
 
 
+# ----------------------------------------------------------------------------- integrity
+def _bits(x):
+    """An array's bits as uint32 (16- and 8-bit types widened, 64-bit types split in two)."""
+    import jax.numpy as jnp
+    size = np.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    kind = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[size]
+    return jax.lax.bitcast_convert_type(x, kind).astype(jnp.uint32)
+
+
+def _leaf_sums(x):
+    """(sum of the bits, sum of bits x (position mod 65521 + 1)), both mod 2^32."""
+    import jax.numpy as jnp
+    b = _bits(x)
+    pos = jnp.zeros(b.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(b.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, b.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= b.shape[d]
+    weight = pos % jnp.uint32(65521) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(b, dtype=jnp.uint32), jnp.sum(b * weight, dtype=jnp.uint32)])
+
+
+def checksums(state) -> dict[str, str]:
+    """`{"params/layers/attn/wq": "89ab01cd12ef3456", ...}`: one checksum per state array,
+    computed where the shards live (one read of the state) and independent of the mesh."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+    leaves = [leaf if getattr(leaf.sharding, "memory_kind", None) in (None, "device") else
+              jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+              for _, leaf in flat]
+    sums = jax.device_get(jax.jit(lambda xs: [_leaf_sums(x) for x in xs])(leaves))
+    return {n: f"{int(s[0]):08x}{int(s[1]):08x}" for n, s in zip(names, sums)}
+
+
+def _digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
     from jaxscale import config as config_lib
-    return {
+    meta = {
         "version": META_VERSION,
         "step": int(step),
         "data_position": int(step),          # index of the next batch: Batches.device_batch(step)
@@ -147,7 +201,10 @@ def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
         "metrics": {k: v for k, v in (last_row or {}).items()
                     if isinstance(v, (int, float)) and np.isfinite(v)},
         "time": time.time(),
+        "checksums": checksums(state),
     }
+    meta["digest"] = _digest(meta)
+    return meta
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -258,32 +315,81 @@ class Checkpointer:
             raise CorruptCheckpointError(
                 f"checkpoint {where} has no jaxscale metadata (meta/metadata is missing or "
                 f"incomplete); it was not written by `jaxscale train`. {self._aside(step)}")
+        if "digest" in meta and meta["digest"] != _digest(meta):
+            raise CorruptCheckpointError(
+                f"checkpoint {where} is damaged: meta/metadata: checksum mismatch in step {step} "
+                f"(the metadata was changed after it was written). {self._aside(step)}")
         return meta
 
-    def restore(self, step: int, abstract_state):
-        """The state at `step`, laid out as `abstract_state` says (its shardings: any mesh)."""
+    def restore(self, step: int, abstract_state, expected: dict | None = None):
+        """The state at `step`, laid out as `abstract_state` says (its shardings: any mesh),
+        verified against the checksums `expected` (from its metadata) when given."""
+        where = self.directory / str(step)
+        try:
+            state = self._read(step, abstract_state, expected)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"checkpoint {where} is damaged: {e} "
+                                         f"{self._aside(step, abstract_state)}") from e
+        return state
+
+    def _read(self, step: int, abstract_state, expected: dict | None):
         try:
             out = self.manager.restore(step, args=self.ocp.args.Composite(
                 state=self.ocp.args.StandardRestore(abstract_state)))
             state = out.state
             jax.block_until_ready(state)
-        except Exception as e:   # noqa: BLE001
-            raise CorruptCheckpointError(
-                f"checkpoint {self.directory / str(step)} is damaged: its arrays cannot be read "
-                f"({type(e).__name__}: {_first_line(e)}). {self._aside(step)}") from e
+        except Exception as e:   # noqa: BLE001 - any failure to read means a damaged checkpoint
+            raise CorruptCheckpointError(_unreadable(e, step)) from e
+        if expected:
+            got = checksums(state)
+            bad = [k for k in expected if k in got and got[k] != expected[k]]
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise CorruptCheckpointError(f"{bad[0]}: checksum mismatch in step {step}{more}; "
+                                             f"its arrays cannot be trusted.")
         return state
 
-    def _aside(self, step: int) -> str:
-        older = [s for s in scan(self.directory).complete if s < step]
+    def intact(self, step: int, abstract_state) -> bool:
+        """Whether `step` reads back and matches every checksum in its metadata."""
+        try:
+            meta = self.read_meta(step)
+            self._read(step, abstract_state, meta.get("checksums"))
+            return True
+        except CheckpointError:
+            return False
+
+    def _aside(self, step: int, abstract_state=None) -> str:
+        """What to do: the newest older checkpoint (verified, when `abstract_state` is given)."""
+        older = [s for s in scan(self.directory).complete if s < step][::-1]
+        if abstract_state is not None:
+            older = [next((s for s in older if self.intact(s, abstract_state)), None)]
+            older = [s for s in older if s is not None]
         if older:
-            return (f"Nothing was changed. To resume from the previous checkpoint (step "
-                    f"{older[-1]}), move {self.directory / str(step)} out of the directory.")
-        return "Nothing was changed; there is no older checkpoint to fall back to."
+            intact = "newest intact" if abstract_state is not None else "previous"
+            return (f"Nothing was changed. To resume from the {intact} checkpoint (step "
+                    f"{older[0]}), move {self.directory / str(step)} out of the directory.")
+        return "Nothing was changed; there is no older intact checkpoint to fall back to."
+
+
+def _unreadable(e: Exception, step: int) -> str:
+    """A read failure as `<array>: <reason> in step N`, the array named as in `leaf_signature`
+    (TensorStore names it `params.layers.mlp.w_up`) and no internal object reprs."""
+    causes, x = [], e
+    while x is not None and len(causes) < 8:
+        causes.append(str(x))
+        x = x.__cause__ or x.__context__
+    text = "\n".join(causes)
+    name = re.search(r'Error reading "([^"/]+)/', text) or re.search(r"'path': '([^'/]+)/'", text)
+    reason = next((line.strip() for c in reversed(causes) for line in c.splitlines()
+                   if re.match(r"\s*[A-Z_]+: ", line)), _first_line(e))
+    array = name.group(1).replace(".", "/") if name else "the state"
+    return f"{array}: cannot be read in step {step} ({reason[:200]})."
 
 
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
-    return (text[0] if text else repr(e))[:300]
+    line = text[0] if text else repr(e)
+    return line.split(" See full TensorStore details")[0][:300]
 
 
 def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state):
@@ -293,7 +399,7 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state):
     step = listing.latest
     meta = ckpt.read_meta(step)
     notes = check_compatible(meta, cfg, abstract_state, str(Path(directory) / str(step)))
-    state = ckpt.restore(step, abstract_state)
+    state = ckpt.restore(step, abstract_state, meta.get("checksums"))
     restored = int(jax.device_get(state.step)) if hasattr(state, "step") else step
     if restored != step:
         raise CorruptCheckpointError(

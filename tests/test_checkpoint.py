@@ -249,7 +249,8 @@ def _restore(directory, setup, step):
     ck = ckpt_lib.Checkpointer(directory, setup.cfg.ckpt, read_only=True)
     meta = ck.read_meta(step)
     notes = ckpt_lib.check_compatible(meta, setup.cfg, setup.abstract_state(), str(directory))
-    return ck.restore(step, setup.abstract_state()), meta, notes
+    # the checksums written on one mesh verify the arrays restored onto another
+    return ck.restore(step, setup.abstract_state(), meta["checksums"]), meta, notes
 
 
 # ----------------------------------------------------------------------------- errors
@@ -285,20 +286,58 @@ def test_missing_empty_and_partial_directories(tmp_path, capsys, reference):
     assert "only partially written" in err and f"30{ckpt_lib.TMP_MARK}" in err
 
 
-def test_truncated_checkpoint_names_the_step_and_the_fallback(copied, capsys):
-    data = max((copied / "checkpoints" / "30" / "state").rglob("ocdbt.process_0/d/*"),
+def _largest_array_file(run: Path, step: int) -> Path:
+    return max((run / "checkpoints" / str(step) / "state").rglob("ocdbt.process_0/d/*"),
                key=lambda p: p.stat().st_size)
+
+
+def test_truncated_checkpoint_names_the_array_the_step_and_the_fallback(copied, capsys):
+    data = _largest_array_file(copied, 30)
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     err = _resume_error(copied, capsys, "--resume")
-    assert "checkpoints/30 is damaged: its arrays cannot be read" in err
-    assert "previous checkpoint (step 20)" in err
+    assert "checkpoints/30 is damaged: params/" in err and ": cannot be read in step 30" in err
+    assert "pybind" not in err and "TensorStore({" not in err
+    assert "newest intact checkpoint (step 20)" in err
 
 
-def test_corrupt_metadata_is_named(copied, capsys):
-    (copied / "checkpoints" / "30" / "meta" / "metadata").write_text("{not json")
+def test_flipped_byte_is_a_checksum_mismatch_naming_the_array(copied, capsys):
+    """A flipped byte reads back without an error (the files carry no checksums of their own):
+    only the checksums in the metadata catch it."""
+    data = _largest_array_file(copied, 30)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    err = _resume_error(copied, capsys, "--resume")
+    assert re.search(r"checkpoints/30 is damaged: \S+: checksum mismatch in step 30", err), err
+    assert "newest intact checkpoint (step 20)" in err
+
+
+def test_newest_intact_step_skips_damaged_older_ones(copied, capsys, reference):
+    """With 40 and 30 both damaged, the message names 20 (verified), not 30."""
+    shutil.copytree(reference[0] / "checkpoints" / "40", copied / "checkpoints" / "40")
+    for step in (40, 30):
+        data = _largest_array_file(copied, step)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 3] ^= 0x01
+        data.write_bytes(bytes(raw))
+    err = _resume_error(copied, capsys, "--resume")
+    assert "checksum mismatch in step 40" in err and "newest intact checkpoint (step 20)" in err
+
+
+def test_corrupt_edited_or_deleted_metadata_is_named(copied, capsys):
+    meta = copied / "checkpoints" / "30" / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    saved["data_position"] += 1                 # valid JSON, wrong content
+    meta.write_text(json.dumps(saved))
+    err = _resume_error(copied, capsys, "--resume")
+    assert "meta/metadata: checksum mismatch in step 30" in err
+    meta.write_text("{not json")
     err = _resume_error(copied, capsys, "--resume")
     assert "checkpoints/30 is damaged: its metadata cannot be read" in err
+    meta.unlink()
+    err = _resume_error(copied, capsys, "--resume")
+    assert "checkpoints/30" in err and "metadata" in err
 
 
 def test_mismatched_model_names_the_parameter(copied, capsys):
