@@ -86,6 +86,19 @@ def get(name: str) -> Hardware:
 
 
 def peak_flops_per_device(name: str, dtype: str, n_devices: int) -> float:
+    """Dense peak FLOP/s of one device in `dtype` (simulated CPU devices share the host's)."""
     hw = get(name)
     peak = hw.peak_fp32 if dtype == "float32" else hw.peak_bf16
     return peak / n_devices if name == "cpu" else peak
+
+
+def mfu(flops: float, seconds: float, device_kind: str, compute_dtype: str, n_devices: int,
+        peak: float = 0.0) -> float:
+    """Model FLOPs utilisation, the one definition the train loop, inspect and the planner use:
+    model FLOPs / (seconds x the peak FLOP/s of the plan's compute dtype x devices). `peak`
+    (per device, `train.peak_flops`) overrides the table; the compute dtype is the plan's
+    (`precision.compute_dtype`), never the model's parameter dtype."""
+    if seconds <= 0:
+        return 0.0
+    per_device = peak or peak_flops_per_device(device_kind, compute_dtype, n_devices)
+    return flops / (seconds * per_device * n_devices)

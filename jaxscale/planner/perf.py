@@ -25,16 +25,18 @@ Step time (stated assumptions):
   parallel collectives sit on the critical path (the next matmul needs them);
 - pipeline bubble on top of the ideal time (`jaxscale.strategies.pp.bubble_fraction`);
 - host offload transfers (PCIe) are not overlapped.
-MFU = model FLOPs / (step time x dense bf16 peak), the literature's convention whatever the
-precision. The result is a roofline-style bound that ranks plans; measured MFU lands below it.
+MFU = model FLOPs / (step time x the dense peak of the plan's compute dtype): `hardware.mfu`, the
+one definition the train loop and inspect use too. The result is a roofline-style bound that ranks plans; measured MFU lands below it.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from jaxscale import hardware
 from jaxscale.cost import alpha_beta, ring_steps
 from jaxscale.strategies.common import Comm
 from jaxscale.strategies.pp import bubble_fraction
+from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
 
 
@@ -144,8 +146,8 @@ def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
         host += nbytes * (2 * k if what in ("params", "activations") else 2)
     offload = host / hw.host_bw
     total = compute + critical + exposed + bubble + offload
-    mfu_peak = hw.peak_bf16 / (spec.n_devices if spec.device_kind == "cpu" else 1)
-    mfu = fl.model_per_device / (total * mfu_peak) if total else 0.0
+    mfu = hardware.mfu(fl.model_per_device * spec.n_devices, total, spec.device_kind,
+                       compute_dtype(spec), spec.n_devices)
     return StepTime(compute, matmul, memory_bound, critical, overlapped, exposed, bubble, offload,
                     total, mfu, spec.batch * spec.seq / total if total else 0.0,
                     [{"kind": c.kind, "axes": list(c.axes), "seconds": t} for c, t in times])

@@ -69,6 +69,11 @@ def policy(plan_cfg) -> Policy:
 
 
 # ----------------------------------------------------------------------------- sizes
+def compute_dtype(plan) -> str:
+    """The dtype the step computes in: the policy's (a `PlanConfig` or a `Spec`)."""
+    return _BASE[plan.precision][1]
+
+
 def mixed(spec) -> bool:
     """16-bit working parameters with fp32 master weights."""
     return _BASE.get(spec.precision, ("", "", False))[2]

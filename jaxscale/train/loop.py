@@ -41,6 +41,7 @@ from jaxscale import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, load_corpus
+from jaxscale.strategies import precision
 from jaxscale.train.setup import build
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -209,8 +210,11 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     train_b = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed)
     eval_b = Batches(corpus.heldout, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed, 1)
     n_dev = jax.device_count()
-    peak = cfg.train.peak_flops or hardware.peak_flops_per_device(
-        cfg.mesh.device_kind, cfg.model.dtype, n_dev)
+    compute = precision.compute_dtype(cfg.plan)
+
+    def mfu(flops, seconds):
+        return hardware.mfu(flops, seconds, cfg.mesh.device_kind, compute, n_dev,
+                            cfg.train.peak_flops)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
 
@@ -249,7 +253,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
             row = {"step": done, "loss": float(m["loss"]),
                    "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
                    "tokens_per_s": tps, "step_time_s": dt,
-                   "mfu": flops_per_step / dt / (peak * n_dev),
+                   "mfu": mfu(flops_per_step, dt),
                    "skipped": int(m.get("skipped", 0))}
             if "loss_scale" in m:
                 row["loss_scale"] = float(m["loss_scale"])
@@ -304,7 +308,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
              f"checkpoint saved in {ckdir / str(done)}. Resume with{hint}")
     summary = {"steps": done, "first_eval_loss": first_eval, "last_eval_loss": last_eval,
                "tokens_per_s": timed_tokens / timed_secs if timed_secs else None,
-               "mfu": (flops_per_step * timed_tokens / tokens_per_step / timed_secs / (peak * n_dev)
+               "mfu": (mfu(flops_per_step * timed_tokens / tokens_per_step, timed_secs)
                        if timed_secs else None), "out": str(out),
                "skipped_steps": skipped, "resumed_from": start if resume else None,
                "checkpoint": str(ckdir / str(done)), "stopped": stopped}
