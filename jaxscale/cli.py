@@ -7,6 +7,8 @@ import os
 import shlex
 import sys
 
+from jaxscale.fields import arg
+
 
 def _ensure_cpu_devices(n: int = 8) -> None:
     """On a CPU-only machine, simulate `n` devices unless the user set XLA_FLAGS themselves."""
@@ -23,19 +25,43 @@ def _has_gpu() -> bool:
         importlib.util.find_spec("jax_cuda13_plugin") is not None
 
 
-def _load(args):
+def _load(args, out=None, checkpoints: bool = False, data: bool = False):
+    """The experiment's config with `--set` overrides (and train's `--steps`), checked before
+    anything runs: every field's range, the relations between fields and, for a command that
+    writes into the directory `out(cfg)`, the output, checkpoint and data paths; all problems in
+    one ValueError (exit 2)."""
     from jaxscale import config as config_lib
+    from jaxscale import fields
     cfg = config_lib.load_experiment(args.experiment)
-    cfg = config_lib.apply_overrides(cfg, args.set)
-    if getattr(args, "steps", None):
-        cfg = config_lib.apply_overrides(cfg, [f"train.steps={args.steps}"])
+    cfg, errs = config_lib.apply_each(cfg, args.set)
+    if args.command == "train" and args.steps is not None:     # shorthand for train.steps
+        bad = fields.check(config_lib.TrainConfig, "steps", args.steps, "train.steps",
+                           via="--steps")
+        if bad:
+            errs.append(bad)
+        else:
+            cfg = config_lib.apply_overrides(cfg, [f"train.steps={args.steps}"])
+    errs += config_lib.check(cfg)
+    if out is not None:
+        key = "--out" if args.out else "train.out" if (
+            args.command == "train" and cfg.train.out) else "output directory"
+        errs += config_lib.path_problems(cfg, out(cfg), key, checkpoints=checkpoints, data=data)
+    fields.raise_problems(errs)
     return cfg
+
+
+def _train_out(args):
+    """train's run directory (`jaxscale.train.loop.run_directory`), without importing JAX."""
+    def out(cfg):
+        from jaxscale.train.loop import run_directory
+        return run_directory(cfg, args.out)
+    return out
 
 
 def _resume_command(args) -> str:
     """The command line that resumes this run (under `jaxscale launch` when launched by it)."""
     parts = ["train", args.experiment, *[a for s in args.set for a in ("--set", s)]]
-    parts += ["--steps", str(args.steps)] if args.steps else []
+    parts += ["--steps", str(args.steps)] if args.steps is not None else []
     parts += ["--out", args.out] if args.out else []
     prefix = os.environ.get("JAXSCALE_LAUNCH_PREFIX", "jaxscale")
     return f"{prefix} {shlex.join(parts)} --resume"
@@ -45,7 +71,7 @@ def cmd_train(args) -> int:
     from jaxscale.launch import initialize_from_env
     initialize_from_env()
     from jaxscale.train.loop import TrainingStopped, train
-    cfg = _load(args)
+    cfg = _load(args, out=_train_out(args), checkpoints=True, data=True)
     try:
         summary = train(cfg, out=args.out, resume=args.resume,
                         resume_command=_resume_command(args))
@@ -61,6 +87,9 @@ def cmd_train(args) -> int:
 def cmd_launch(args) -> int:
     from jaxscale.launch import launch
     command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
+    if command[:1] == ["train"]:     # check the command here, before any process starts
+        inner = parser().parse_args(command)
+        _load(inner, out=_train_out(inner), checkpoints=True, data=True)
     return launch(command, processes=args.processes, local_devices=args.local_devices,
                   port=args.port, heartbeat=args.heartbeat_timeout)
 
@@ -74,7 +103,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_profile(args) -> int:
     from jaxscale import profiling
-    cfg = _load(args)
+    cfg = _load(args, out=lambda c: args.out or f"runs/{c.name}_profile", data=True)
     res = profiling.profile(cfg, steps=args.steps, out=args.out)
     print(profiling.format_table(res))
     print(f"trace, memory.prof, live_arrays.jsonl, memory_timeline.png in {res['out']}")
@@ -101,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("experiment", help="name under experiments/ or path to a .py with config()")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config field, e.g. --set mesh.dp=8 --set model.n_layers=2")
-        sp.add_argument("--devices", type=int, default=8,
+        sp.add_argument("--devices", type=arg(lo=1), default=8,
                         help="simulated CPU devices when no accelerator is present (default 8)")
 
     t = sub.add_parser("train", help="train an experiment")
@@ -122,7 +151,9 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("profile", help="trace steps; device memory profile; leak check")
     common(pr)
-    pr.add_argument("--steps", type=int, default=6, help="steps to run (first 2 are warm-up)")
+    pr.add_argument("--steps", type=arg(lo=5, note="2 warm-up steps, then 3 or more for the leak "
+                                        "check"), default=6,
+                    help="steps to run (first 2 are warm-up; at least 5)")
     pr.add_argument("--out", help="output directory (default runs/<name>_profile)")
     pr.set_defaults(func=cmd_profile)
     be = sub.add_parser("bench", help="benchmarks: collectives (nccl-tests style, JAX vs torch)")
@@ -131,11 +162,13 @@ def parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench)
     la = sub.add_parser("launch", help="run a command in several local processes "
                         "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")
-    la.add_argument("--processes", type=int, default=2, help="number of processes (default 2)")
-    la.add_argument("--local-devices", type=int, default=4,
+    la.add_argument("--processes", type=arg(lo=1), default=2,
+                    help="number of processes (default 2)")
+    la.add_argument("--local-devices", type=arg(lo=1), default=4,
                     help="simulated CPU devices per process (default 4)")
-    la.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    la.add_argument("--heartbeat-timeout", type=int, default=30,
+    la.add_argument("--port", type=arg(lo=0, hi=65535), default=0,
+                    help="coordinator port (default: a free one)")
+    la.add_argument("--heartbeat-timeout", type=arg(lo=1), default=30,
                     help="seconds before the coordination service declares a silent process "
                          "dead and stops the others (default 30)")
     la.add_argument("command_argv", nargs=argparse.REMAINDER,
@@ -146,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    _ensure_cpu_devices(getattr(args, "devices", 8))
+    _ensure_cpu_devices(getattr(args, "devices", None) or 8)   # plan's --devices defaults to None
     try:
         return args.func(args)
     except (ValueError, KeyError, TypeError) as e:

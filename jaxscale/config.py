@@ -14,71 +14,81 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jaxscale import fields
 from jaxscale import meshes
 from jaxscale import models
+from jaxscale.data import ByteTokenizer, source_problems
+from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
+from jaxscale.strategies.pp import SCHEDULES
+from jaxscale.strategies.precision import PRECISIONS
+from jaxscale.strategies.sp import CONTEXTS
+
+# Every field states its valid values next to its default (`jaxscale.fields`); `check(cfg)`
+# reports every violation at once, before anything is compiled, read or written.
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"            # "stdlib" (this Python's own sources) or comma-separated globs
-    seq_len: int = 128
-    batch_size: int = 16              # global batch, in sequences
-    heldout_fraction: float = 0.05
-    max_bytes: int = 16_000_000       # cap on corpus bytes read
-    seed: int = 0
+    seq_len: int = positive(128)
+    batch_size: int = positive(16)    # global batch, in sequences
+    heldout_fraction: float = ranged(0.05, above=0, below=1)
+    max_bytes: int = positive(16_000_000)   # cap on corpus bytes read
+    seed: int = nonneg(0)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    decay_steps: int = 0              # 0: decay over train.steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0            # 0: no clipping
+    lr: float = positive(3e-3)
+    warmup_steps: int = nonneg(20)
+    decay_steps: int = nonneg(0)      # 0: decay over train.steps
+    min_lr_ratio: float = ranged(0.1, lo=0, hi=1)
+    weight_decay: float = nonneg(0.1)
+    b1: float = ranged(0.9, lo=0, below=1)
+    b2: float = ranged(0.95, lo=0, below=1)
+    eps: float = nonneg(1e-8)
+    clip_norm: float = nonneg(1.0)    # 0: no clipping
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """Strategy options beyond the mesh degrees (which imply DP / FSDP / TP)."""
     donate: bool = True               # donate the train state to the step
-    precision: str = "fp32"           # fp32 | bf16 | fp16 (fp32 master weights for bf16/fp16)
+    precision: str = one_of("fp32", *PRECISIONS)  # fp32 master weights for 16-bit
     loss_scale: str = "auto"          # auto (dynamic for fp16) | dynamic | none | initial scale
-    accumulate: int = 1               # micro-batches per optimizer step
+    accumulate: int = positive(1)     # micro-batches per optimizer step
     remat: str = "none"               # none | full | save_dots | save_attention_out | offload |
                                       # custom mapping "name:save|remat|offload,..."
     offload: str = "none"             # none | optimizer | master | params, "+"-joined
-    zero: int = 0                     # 0 | 1 | 2 | 3 over the data-parallel devices
+    zero: int = ranged(0, lo=0, hi=3)  # ZeRO stage over the data-parallel devices
     check_memory: bool = True         # refuse plans the planner predicts will not fit
     # planned, not yet trainable (`jaxscale plan` predicts them; train refuses them by name):
-    context: str = "ring"             # context parallelism over mesh.sp: ring | ulysses | allgather
+    context: str = one_of("ring", *CONTEXTS)      # context parallelism over mesh.sp
     sequence_parallel: bool = False   # Megatron sequence parallelism over mesh.tp
-    schedule: str = "1f1b"            # over mesh.pp: gpipe | 1f1b | interleaved | zb-h1
-    virtual_stages: int = 1           # virtual pipeline stages per device (interleaved)
+    schedule: str = one_of("1f1b", *SCHEDULES)    # pipeline schedule over mesh.pp
+    virtual_stages: int = positive(1)  # virtual pipeline stages per device (interleaved)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
-    eval_every: int = 50              # 0: no evaluation
-    eval_batches: int = 4
-    log_every: int = 1
-    seed: int = 0
-    peak_flops: float = 0.0           # per device; 0: from the hardware table
+    steps: int = positive(200)
+    eval_every: int = nonneg(50)      # 0: no evaluation
+    eval_batches: int = positive(4)
+    log_every: int = positive(1)
+    seed: int = nonneg(0)
+    peak_flops: float = nonneg(0.0)   # per device; 0: from the hardware table
     out: str = ""                     # run directory; "" -> runs/<name>
-    nonfinite: str = "skip"           # non-finite loss or grad norm: skip the update | stop the run
+    nonfinite: str = one_of("skip", "skip", "stop")   # non-finite loss or grad norm: skip the
+                                      # update | stop the run
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100                  # save every N steps; 0: only at the end and on preemption
-    keep: int = 3                     # keep the latest K checkpoints ...
-    keep_every: int = 0               # ... plus every step that is a multiple of M (0: none)
+    every: int = nonneg(100)          # save every N steps; 0: only at the end and on preemption
+    keep: int = positive(3)           # keep the latest K checkpoints ...
+    keep_every: int = nonneg(0)       # ... plus every step that is a multiple of M (0: none)
     async_save: bool = True           # write in the background while training continues
     dir: str = ""                     # "" -> <run dir>/checkpoints
 
@@ -93,6 +103,53 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def relations(self) -> list[str]:
+        """Checks that relate fields of different groups (each group's own are in its class)."""
+        errs = []
+        if self.data.seq_len > self.model.max_seq_len:
+            errs.append(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                        f"{self.model.max_seq_len}")
+        return errs
+
+
+def check(cfg: Config) -> list[str]:
+    """Every problem of `cfg`, one message each: every field against its declared range or
+    choices, then the checks relating fields (`ModelConfig.relations`, `Config.relations`).
+    Nothing is read or written; [] when valid."""
+    if not isinstance(cfg, Config):
+        return [f"expected a jaxscale.config.Config, got {type(cfg).__name__}"]
+    return fields.problems(cfg)
+
+
+def data_problems(cfg: Config) -> list[str]:
+    """What stops a command that reads the training data: every `data.source` glob must match a
+    file, and the model's vocabulary must hold the tokenizer's ids (a model loaded with its own
+    vocabulary, e.g. from Hugging Face, is fine until it is fed this data)."""
+    errs = source_problems(cfg.data.source)
+    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        errs.append(f"model.vocab_size={cfg.model.vocab_size}: must be >= "
+                    f"{ByteTokenizer.vocab_size}, the byte tokenizer's vocabulary (256 bytes + "
+                    f"PAD, BOS, EOS); smaller, the data's token ids fall outside the embedding")
+    return errs
+
+
+def path_problems(cfg: Config, out, out_key: str, checkpoints: bool = False,
+                  data: bool = False) -> list[str]:
+    """What stops a command that writes into `out` (named `out_key` in messages: `--out`,
+    `train.out`, ...) from starting: `out` (and `ckpt.dir` when `checkpoints`) must be, or be
+    creatable as, a writable directory; with `data`, the data can be read (`data_problems`).
+    Nothing is created."""
+    errs = [e for e in [fields.dir_problem(out, out_key)] if e]
+    if checkpoints:
+        if cfg.ckpt.dir:
+            errs += [e for e in [fields.dir_problem(cfg.ckpt.dir, "ckpt.dir")] if e]
+        elif not errs:
+            errs += [e for e in [fields.dir_problem(Path(out) / "checkpoints",
+                                                    "checkpoint directory")] if e]
+    if data:
+        errs += data_problems(cfg)
+    return errs
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -122,8 +179,14 @@ def _parse(raw: str, typ, key: str):
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if typ is int:
-            return int(float(raw)) if raw.replace(".", "", 1).lstrip("-").isdigit() else int(raw)
+        if typ is int:           # 128, 16e6, 128.0; not 1.5 (no silent truncation)
+            try:
+                return int(raw)
+            except ValueError:
+                f = float(raw)
+                if not f.is_integer():
+                    raise ValueError from None
+                return int(f)
         if typ is float:
             return float(raw)
         if typ is str:
@@ -165,6 +228,18 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
+def apply_each(cfg: Config, overrides: list[str]) -> tuple[Config, list[str]]:
+    """`apply_overrides`, one at a time: the config with every valid override applied and one
+    message per override that failed (unknown key, unparsable value), so all are reported."""
+    errs = []
+    for item in overrides or ():
+        try:
+            cfg = apply_overrides(cfg, [item])
+        except (KeyError, ValueError) as e:
+            errs.append(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
+    return cfg, errs
+
+
 # ----------------------------------------------------------------------------- loading
 def experiments_dirs() -> list[Path]:
     here = Path(__file__).resolve().parent.parent / "experiments"
@@ -192,7 +267,11 @@ def load_experiment(name_or_path: str) -> Config:
                          f"config() function or one of: {', '.join(list_experiments())}")
     spec = importlib.util.spec_from_file_location(f"jaxscale_experiment_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:     # IndentationError too: file:line: message, no traceback
+        where = f"{e.filename or path}:{e.lineno}" + (f":{e.offset}" if e.offset else "")
+        raise ValueError(f"{where}: {e.msg}") from None
     if not hasattr(mod, "config"):
         raise ValueError(f"{path} has no config() function")
     cfg = mod.config()

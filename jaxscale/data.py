@@ -45,6 +45,20 @@ def corpus_files(source: str) -> list[Path]:
     return files
 
 
+def source_problems(source: str) -> list[str]:
+    """One message per `data.source` glob that matches no file (nothing is read); [] if valid."""
+    if source == "stdlib":
+        return []
+    globs = [pat.strip() for pat in source.split(",") if pat.strip()]
+    if not globs:
+        return [f"data.source={source!r}: give 'stdlib' or comma-separated globs of text files "
+                f"(e.g. 'docs/**/*.md')"]
+    return [f"data.source={source!r}: the glob {pat!r} matches no file" + (
+                f" ({pat!r} is a directory: add a pattern, e.g. '{pat.rstrip('/')}/**/*.txt')"
+                if Path(pat).is_dir() else "")
+            for pat in globs if not any(Path(p).is_file() for p in glob.iglob(pat, recursive=True))]
+
+
 def _is_heldout(path: Path, fraction: float) -> bool:
     h = int.from_bytes(hashlib.sha256(path.name.encode()).digest()[:4], "little")
     return (h % 10_000) < fraction * 10_000

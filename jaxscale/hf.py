@@ -234,30 +234,68 @@ def hf_to_params(tensors: dict, cfg: ModelConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- loading
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`; a broken file is a ValueError naming it, the line and column."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column "
+                         f"{e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text (UTF-8) file: {e.reason}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 class Checkpoint:
-    """The safetensors files of a Hugging Face directory, opened lazily, read slice by slice."""
+    """The safetensors files of a Hugging Face directory, read slice by slice. Every file is
+    opened (its header read and checked against the file's size) when the checkpoint is, so a
+    missing, truncated or corrupt file is a named error before any parameter is built."""
 
     def __init__(self, path):
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise FileNotFoundError(f"{self.path}/config.json not found: not a Hugging Face "
                                     f"model directory")
-        self.hf_config = json.loads((self.path / "config.json").read_text())
+        self.hf_config = _read_json(self.path / "config.json")
         self._files: dict[tuple, Any] = {}
         self.reads: list[tuple[str, tuple]] = []      # (name, shape read), for inspection
         index = self.path / INDEX_FILE
         if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: has no \"weight_map\" object (tensor name -> file)")
+            self.weight_map = weight_map
         elif (self.path / SINGLE_FILE).is_file():
             self.weight_map = {n: SINGLE_FILE for n in self._open(SINGLE_FILE, "numpy").keys()}
         else:
-            raise FileNotFoundError(f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+            pickles = sorted(p.name for p in self.path.iterdir()
+                             if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            hint = (f"; it holds {', '.join(pickles[:3])}{' ...' if len(pickles) > 3 else ''}: "
+                    f"PyTorch pickle (.bin) files are not read, only safetensors. Convert once "
+                    f"with transformers: LlamaForCausalLM.from_pretrained(dir).save_pretrained("
+                    f"dir) writes {SINGLE_FILE} (transformers >= 4.35; before, pass "
+                    f"safe_serialization=True)") if pickles else ""
+            raise FileNotFoundError(f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+                                    f"{hint}")
+        for file in sorted(set(self.weight_map.values())):
+            if not (self.path / file).is_file():
+                raise FileNotFoundError(f"{index} names {file}, which is not in {self.path}")
+            self._open(file, "numpy")
 
     def _open(self, file: str, framework: str):
         from safetensors import safe_open
         key = (file, framework)
         if key not in self._files:
-            self._files[key] = safe_open(str(self.path / file), framework=framework)
+            try:
+                self._files[key] = safe_open(str(self.path / file), framework=framework)
+            except Exception as e:      # safetensors' SafetensorError: header, size, dtype
+                if type(e).__name__ != "SafetensorError":
+                    raise
+                raise ValueError(f"{self.path / file}: not a readable safetensors file ({e}); "
+                                 f"it is truncated or corrupt: download or export it "
+                                 f"again") from None
         return self._files[key]
 
     def shape(self, name: str) -> tuple:

@@ -16,24 +16,26 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from jaxscale.axes import MESH_AXES
+from jaxscale.fields import one_of, positive, ranged
+from jaxscale.hardware import HARDWARE
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    dp: int = 1
-    pp: int = 1
-    fsdp: int = 1
-    ep: int = 1
-    sp: int = 1
-    tp: int = 1
-    dcn_dp: int = 1
-    dcn_pp: int = 1
-    dcn_fsdp: int = 1
-    dcn_ep: int = 1
-    dcn_sp: int = 1
-    dcn_tp: int = 1
+    dp: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    pp: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    fsdp: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    ep: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    sp: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    tp: int = ranged(1, lo=1, also=(-1,), note="-1: fill with the devices left")
+    dcn_dp: int = positive(1)
+    dcn_pp: int = positive(1)
+    dcn_fsdp: int = positive(1)
+    dcn_ep: int = positive(1)
+    dcn_sp: int = positive(1)
+    dcn_tp: int = positive(1)
     #: hardware name for peak FLOP/s and bandwidths (see `jaxscale.hardware`).
-    device_kind: str = "cpu"
+    device_kind: str = one_of("cpu", *HARDWARE)
 
     def degrees(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}

@@ -7,7 +7,8 @@ reads a `Spec` through the same five functions (see `jaxscale.strategies`), and 
 composes them, in this order, for every consumer alike (`train`, `inspect`'s theory, `jaxscale
 plan` and its `--search`):
 
-1. `problems(spec)`: the model and hardware, then each strategy's problems in `STRATEGIES` order,
+1. `problems(spec)`: the model and hardware, then each strategy's problems in `STRATEGIES` order
+   (`validate(cfg, n)` checks every config field against its declared range first, `config.check`),
    all reported together, each naming the field and a fix; `unavailable(spec)` adds what `train`
    cannot run yet (the planner still predicts it, and `--search` marks it);
 2. `rules(spec)`: the batch over the data axes (`dp`, `fsdp`, `ep`, outer to inner), then each
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from jaxscale import hardware
 from jaxscale.axes import MESH_AXES, Rules
+from jaxscale.fields import raise_problems
 from jaxscale.strategies import (accumulate, dp, ep, fsdp, offload, pp, precision, remat, sp, tp,
                                  zero)
 
@@ -171,7 +173,7 @@ class Spec:
         return problems(self)
 
     def validate(self) -> "Spec":
-        raise_problems(self.problems())
+        raise_problems(self.problems(), "plan")
         return self
 
 
@@ -190,8 +192,6 @@ def problems(spec: Spec) -> list[str]:
         errs.append(f"unknown hardware {spec.device_kind!r}; valid: {', '.join(hardware.HARDWARE)}")
     if errs:
         return errs
-    if spec.seq > spec.model.max_seq_len:
-        errs.append(f"data.seq_len={spec.seq} exceeds model.max_seq_len={spec.model.max_seq_len}")
     for s in STRATEGIES:
         errs += s.problems(spec)
     return errs
@@ -201,11 +201,6 @@ def unavailable(spec: Spec) -> list[str]:
     """The strategies this plan uses that `train` cannot run yet (one line each, with the fix)."""
     return [s.UNAVAILABLE.format(spec=spec, **spec.degrees) for s in STRATEGIES
             if not s.AVAILABLE and s.active(spec)]
-
-
-def raise_problems(errs: list[str]) -> None:
-    if errs:
-        raise ValueError("invalid plan:\n  - " + "\n  - ".join(errs))
 
 
 def rules(spec: Spec) -> Rules:
@@ -253,16 +248,14 @@ class Placement:
 def validate(cfg, n_devices: int) -> Spec:
     """Resolve the mesh and check the whole config against it; raise one error listing all."""
     import jax
+    from jaxscale import config as config_lib
+    raise_problems(config_lib.check(cfg))      # every field and relation between fields first
     spec = Spec.from_config(cfg, n_devices)
     errs = unavailable(spec) + problems(spec)
-    from jaxscale.attention import IMPLEMENTATIONS
-    if cfg.model.attention not in IMPLEMENTATIONS + ("auto",):
-        errs.append(f"model.attention={cfg.model.attention!r} is unknown; valid: "
-                    f"{', '.join(IMPLEMENTATIONS + ('auto',))}")
     if jax.process_count() > 1 and cfg.data.batch_size % jax.process_count():
         errs.append(f"data.batch_size={cfg.data.batch_size} is not divisible by the "
                     f"{jax.process_count()} processes")
-    raise_problems(errs)
+    raise_problems(errs, "plan")
     return spec
 
 

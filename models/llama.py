@@ -17,8 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.attention import attention
+from jaxscale.attention import IMPLEMENTATIONS, attention
 from jaxscale.axes import constrain
+from jaxscale.fields import nonneg, one_of, positive
+from jaxscale.fields import problems as field_problems
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 #: `checkpoint_name` tags, in the order they appear in a block.
 TAGS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "o_proj",
@@ -28,52 +32,67 @@ TAGS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "o_proj",
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3.1 frequency scaling of RoPE."""
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    factor: float = positive(8.0)
+    low_freq_factor: float = positive(1.0)
+    high_freq_factor: float = positive(4.0)
+    original_max_position: int = positive(8192)
+
+    def relations(self) -> list[str]:
+        if self.high_freq_factor <= self.low_freq_factor:
+            return [f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be greater "
+                    f"than model.rope_scaling.low_freq_factor={self.low_freq_factor}"]
+        return []
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 320
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 384
-    head_dim: int = 0                 # 0: dim // n_heads
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
+    vocab_size: int = positive(320)
+    dim: int = positive(128)
+    n_layers: int = positive(4)
+    n_heads: int = positive(8)
+    n_kv_heads: int = positive(4)
+    ffn_dim: int = positive(384)
+    head_dim: int = nonneg(0)         # 0: dim // n_heads
+    max_seq_len: int = positive(2048)
+    rope_theta: float = positive(10000.0)
     rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
+    norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     scan_layers: bool = True
-    dtype: str = "float32"            # compute dtype
-    param_dtype: str = "float32"
-    attention: str = "auto"           # xla | blockwise | pallas | cudnn | auto (jaxscale.attention)
-    init_std: float = 0.02
-    moe_experts: int = 0              # 0: dense MLP; E: a Mixtral-style mixture of E experts
-    moe_top_k: int = 2                # experts per token
-    capacity_factor: float = 1.25     # expert capacity = factor x tokens x top_k / E
+    dtype: str = one_of("float32", *DTYPES)          # compute dtype
+    param_dtype: str = one_of("float32", *DTYPES)
+    attention: str = one_of("auto", "auto", *IMPLEMENTATIONS)   # jaxscale.attention
+    init_std: float = nonneg(0.02)
+    moe_experts: int = nonneg(0)      # 0: dense MLP; E: a Mixtral-style mixture of E experts
+    moe_top_k: int = positive(2)      # experts per token
+    capacity_factor: float = positive(1.25)   # expert capacity = factor x tokens x top_k / E
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
 
-    def validate(self) -> "ModelConfig":
+    def relations(self) -> list[str]:
+        """The checks relating fields (each field's own range is declared above)."""
+        errs = []
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of "
-                             f"model.n_kv_heads={self.n_kv_heads}")
+            errs.append(f"model.n_heads={self.n_heads} must be a multiple of "
+                        f"model.n_kv_heads={self.n_kv_heads}")
         if not self.head_dim and self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads="
-                             f"{self.n_heads}; set model.head_dim explicitly")
-        if self.hd % 2:
-            raise ValueError(f"head_dim={self.hd} must be even for RoPE")
-        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
-            raise ValueError(f"model.moe_experts={self.moe_experts}, model.moe_top_k="
-                             f"{self.moe_top_k}: give 0 experts (dense) or top_k between 1 and "
-                             f"the expert count")
+            errs.append(f"model.dim={self.dim} is not divisible by model.n_heads="
+                        f"{self.n_heads}; set model.head_dim explicitly")
+        elif self.hd % 2:
+            errs.append(f"head_dim={self.hd} must be even for RoPE")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            errs.append(f"model.moe_experts={self.moe_experts}, model.moe_top_k="
+                        f"{self.moe_top_k}: give 0 experts (dense) or top_k between 1 and "
+                        f"the expert count")
+        return errs
+
+    def validate(self) -> "ModelConfig":
+        """Raise one ValueError naming every problem: field ranges, then `relations()`."""
+        errs = field_problems(self, "model.")
+        if errs:
+            raise ValueError("; ".join(errs))
         return self
 
     def param_count(self, active: bool = False) -> int:

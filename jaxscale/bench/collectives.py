@@ -43,6 +43,7 @@ from pathlib import Path
 
 from jaxscale.bench.torch_collectives import KINDS, TorchFailure, TorchJob
 from jaxscale.cost import busbw_factor
+from jaxscale.fields import arg, dir_problem
 KiB, MiB = 1024, 1024 * 1024
 CPU_MAX_BYTES, GPU_MAX_BYTES = 16 * MiB, 256 * MiB
 
@@ -422,13 +423,18 @@ def save(result: dict, out: str | Path) -> tuple[Path, Path]:
     return js, png
 
 
-def _bytes(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1024, 64K, 16M)") from None
+def _parse_bytes(text: str) -> int:
+    """1024, 64K, 16M, 1G (KiB, MiB, GiB; a trailing B or iB is allowed) -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(t[-1:], 1)
+    number = float(t[:-1] if t[-1:] and t[-1:] in "KMG" else t)   # ValueError: not a size
+    if not (number * mult).is_integer():
+        raise ValueError(text)
+    return int(number * mult)
+
+
+#: a message size: at least one float32 element
+_bytes = arg(parse=_parse_bytes, noun="a size in bytes", lo=4, note="e.g. 1024, 64K, 16M")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -437,15 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-bytes", type=_bytes, default=1 * KiB)
     p.add_argument("--max-bytes", type=_bytes, default=None,
                    help="default 16M on CPU, 256M on GPU")
-    p.add_argument("--factor", type=int, default=4, help="size multiplier between points")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--factor", type=arg(lo=2), default=4, help="size multiplier between points")
+    p.add_argument("--iters", type=arg(lo=1), default=10)
+    p.add_argument("--warmup", type=arg(lo=0), default=3)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
-    p.add_argument("--world", type=int, default=None,
+    p.add_argument("--world", type=arg(lo=1), default=None,
                    help="devices and torch processes (default: all JAX devices, 8 on CPU)")
     p.add_argument("--no-torch", action="store_true", help="JAX side only")
     p.add_argument("--torch-backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--timeout", type=float, default=180.0,
+    p.add_argument("--timeout", type=arg(float, above=0), default=180.0,
                    help="seconds allowed for torch start-up and for each torch point")
     p.add_argument("--no-handwritten", action="store_true",
                    help="skip the hand-written all-reduces")
@@ -453,8 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(p: argparse.ArgumentParser, msg: str) -> int:
+    print(f"{p.prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.max_bytes is not None and args.max_bytes < args.min_bytes:
+        return _fail(p, f"--min-bytes {args.min_bytes} is larger than --max-bytes "
+                        f"{args.max_bytes}")
+    bad_out = dir_problem(args.out, "--out")     # before the sweep, not after it
+    if bad_out:
+        return _fail(p, bad_out)
     cfg = SweepConfig(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
                       iters=args.iters, warmup=args.warmup, world=args.world,
                       kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
@@ -463,14 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg.validate()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(p, str(e))
     ensure_host_devices(max(8, args.world or 8))
     try:
         result = run_sweep(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(p, str(e))
     print(format_report(result))
     js, png = save(result, args.out)
     print(f"\nwrote {js} and {png}")

@@ -18,6 +18,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxscale.fields import arg
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model preset (models/configs.py), e.g. llama3-70b")
@@ -28,20 +30,24 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, help="global batch in sequences (default: one sequence "
                    "per data-parallel rank)")
     p.add_argument("--seq", type=int, help="sequence length (default: min(4096, max_seq_len))")
-    p.add_argument("--devices", type=int, help="device count, to resolve a -1 mesh degree")
+    p.add_argument("--devices", type=arg(lo=1), help="device count, to resolve a -1 mesh degree")
     p.add_argument("--search", action="store_true",
                    help="enumerate every valid plan on the mesh that fits, ranked by step time")
     p.add_argument("--include-unavailable", action="store_true",
                    help="--search also ranks plans train cannot run yet (marked)")
-    p.add_argument("--top", type=int, default=10, help="plans shown by --search (default 10)")
+    p.add_argument("--top", type=arg(lo=1), default=10, help="plans shown by --search (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="directory for memory.png and plan.json (default runs/plan/...)")
 
 
-def build_config(args):
+def build_config(args, out: Path | None = None):
+    """The config to plan, checked like train's (every field's range, the relations between
+    fields; `--seq` and `--batch` as data.seq_len and data.batch_size; `out`, where the plan will
+    be written): one ValueError listing every problem."""
     from jaxscale import models
     from jaxscale import meshes
     from jaxscale import config as config_lib
+    from jaxscale import fields
     if args.experiment:
         cfg = config_lib.load_experiment(args.experiment)
     else:
@@ -50,28 +56,41 @@ def build_config(args):
         cfg = dataclasses.replace(cfg, model=models.get(args.model))
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=meshes.get(args.mesh))
-    cfg = config_lib.apply_overrides(cfg, args.set)
+    cfg, errs = config_lib.apply_each(cfg, args.set)
     data = cfg.data
     explicit = {s.split("=", 1)[0].strip() for s in args.set}
-    if args.seq:
-        data = dataclasses.replace(data, seq_len=args.seq)
+    bad_seq = args.seq is not None and fields.check(config_lib.DataConfig, "seq_len", args.seq,
+                                                    "data.seq_len", via="--seq")
+    bad_batch = args.batch is not None and fields.check(
+        config_lib.DataConfig, "batch_size", args.batch, "data.batch_size", via="--batch")
+    errs += [e for e in (bad_seq, bad_batch) if e]
+    if args.seq is not None:
+        if not bad_seq:
+            data = dataclasses.replace(data, seq_len=args.seq)
     elif not args.experiment and "data.seq_len" not in explicit:
         data = dataclasses.replace(data, seq_len=min(4096, cfg.model.max_seq_len))
-    if args.batch:
-        data = dataclasses.replace(data, batch_size=args.batch)
+    if args.batch is not None:
+        if not bad_batch:
+            data = dataclasses.replace(data, batch_size=args.batch)
     elif not args.experiment and "data.batch_size" not in explicit:
         m = cfg.mesh
         degs = [max(1, getattr(m, a)) for a in ("dp", "fsdp", "ep")]
         data = dataclasses.replace(data, batch_size=degs[0] * degs[1] * degs[2])
-    return dataclasses.replace(cfg, data=data)
+    cfg = dataclasses.replace(cfg, data=data)
+    errs += config_lib.check(cfg)
+    if out is not None:
+        errs += [e for e in [fields.dir_problem(out, "--out" if args.out else
+                                                "output directory")] if e]
+    fields.raise_problems(errs)
+    return cfg
 
 
 def run(args) -> int:
     from jaxscale import planner
     from jaxscale.planner import report, search
-    cfg = build_config(args)
+    out = Path(args.out or Path("runs") / "plan" / _name(args))
+    cfg = build_config(args, out)
     spec = planner.Spec.from_config(cfg, args.devices)
-    out = Path(args.out or Path("runs") / "plan" / _name(args, cfg))
     if args.search:
         res = search.search(cfg, args.devices, base=spec,
                             include_unavailable=args.include_unavailable)
@@ -106,7 +125,7 @@ def run(args) -> int:
     return 0
 
 
-def _name(args, cfg) -> str:
+def _name(args, cfg=None) -> str:
     model = args.model or (args.experiment and Path(args.experiment).stem) or "model"
     return f"{model}_{args.mesh or 'mesh'}".replace("/", "_")
 

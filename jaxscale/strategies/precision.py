@@ -42,6 +42,7 @@ class Policy:
 
 _BASE = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16", True),
          "fp16": ("float16", "float16", True)}
+PRECISIONS = tuple(_BASE)
 
 
 def policy(plan_cfg) -> Policy:

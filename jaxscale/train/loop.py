@@ -44,7 +44,6 @@ from jaxscale.data import Batches, load_corpus
 from jaxscale.strategies import precision
 from jaxscale.train.setup import build
 
-NONFINITE_POLICIES = ("skip", "stop")
 
 
 class TrainingStopped(RuntimeError):
@@ -176,12 +175,15 @@ def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = Fa
 
     `resume_command` is the command line printed in messages that say how to resume. A signal
     that arrives while the run starts (restore, compilation) is honoured after the first step."""
-    if cfg.train.nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"train.nonfinite={cfg.train.nonfinite!r}: give one of "
-                         f"{', '.join(NONFINITE_POLICIES)}")
+    from jaxscale.fields import raise_problems
+    raise_problems(config_lib.check(cfg) + config_lib.data_problems(cfg))   # before any write
     with Preemption() as pre:
-        return _train(cfg, Path(out or cfg.train.out or f"runs/{cfg.name}"), progress, resume,
-                      resume_command, pre)
+        return _train(cfg, Path(run_directory(cfg, out)), progress, resume, resume_command, pre)
+
+
+def run_directory(cfg, out=None) -> str:
+    """Where a run writes: `out` (`--out`), else `train.out`, else `runs/<name>`."""
+    return str(out or cfg.train.out or f"runs/{cfg.name}")
 
 
 def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
