@@ -79,11 +79,13 @@ def memory(compiled) -> dict:
 
 
 def flops(compiled, text: str | None = None) -> dict:
-    """Matmul FLOPs per device per step from the HLO (loop-aware), and XLA's own estimate."""
+    """Matmul FLOPs per device per step from the HLO (loop-aware; dots, cuBLAS and cuDNN custom
+    calls, Triton gemm fusions: `hlo.matmul_flops`), and XLA's own estimate."""
     text = text or compiled.as_text()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return {"dot_flops": hlo.dot_flops(hlo.Module(text)),
+    by_source = hlo.matmul_flops(hlo.Module(text))
+    return {"dot_flops": sum(by_source.values()), "matmul_flops_by_source": by_source,
             "xla_cost_analysis_flops": float((ca or {}).get("flops", 0.0))}
 
 
