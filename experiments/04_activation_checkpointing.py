@@ -16,13 +16,13 @@ never the head, so its ratio is below the textbook 4/3; `save_attention_out` als
 
 Activations per layer (derived for this block: RMSNorm, GQA attention with an fp32 softmax,
 SwiGLU, no dropout; b batch, s sequence, h model dim, a heads, k kv heads, d head dim, f MLP dim,
-beta bytes per activation element). `none` keeps, per norm, its input, normalised and scaled
-outputs (3bsh each, 6 in all); q after RoPE and the attention output (2·bs·a·d); k after RoPE and
+beta bytes per activation element). `none` keeps, per norm, its input and scaled output (2bsh
+each, 4 in all: the norm's backward recomputes the normalised input, `models.llama.rms_norm`); q after RoPE and the attention output (2·bs·a·d); k after RoPE and
 v (2·bs·k·d); gate, up, sigmoid(gate), 1-sigmoid, silu(gate) and the hidden product (6bsf); four
 fp32 score-sized arrays (scores, exp, masked, normalised: 16·b·a·s² bytes); per score row the max,
-sum and masked max in fp32 and two boolean masks (14·b·a·s bytes); two rsqrt-related [b, s] per
-norm (16·bs bytes). In Korthikanti's units (bytes per layer = sbh·(c + c'·as/h)) that is
-sbh·(beta·(6 + (2a+2k)d/h + 6f/h) + 16·as/h) + small terms, against GPT's sbh·(34 + 5as/h).
+sum and masked max in fp32 and two boolean masks (14·b·a·s bytes); one fp32 1/rms [b, s] per
+norm (8·bs bytes). In Korthikanti's units (bytes per layer = sbh·(c + c'·as/h)) that is
+sbh·(beta·(4 + (2a+2k)d/h + 6f/h) + 16·as/h) + small terms, against GPT's sbh·(34 + 5as/h).
 `full` keeps the layer input (beta·bsh); `save_attention_out` the input and attention output;
 `save_dots` the input, q, k, v, the output projection and gate, up.
 Writes remat.png.
@@ -67,10 +67,10 @@ def act_bytes(policy: str, m, b: int, s: int, beta: int = 4) -> float:
     """Saved activations per layer for the backward (module docstring)."""
     h, a, k, d, f = m.dim, m.n_heads, m.n_kv_heads, m.hd, m.ffn_dim
     return beta * b * s * {
-        "none": 6 * h + 2 * a * d + 2 * k * d + 6 * f,
+        "none": 4 * h + 2 * a * d + 2 * k * d + 6 * f,
         "full": h, "save_attention_out": h + a * d,
         "save_dots": 2 * h + (a + 2 * k) * d + 2 * f}[policy] + (
-        16 * b * a * s * s + 14 * b * a * s + 16 * b * s if policy == "none" else 0)
+        16 * b * a * s * s + 14 * b * a * s + 8 * b * s if policy == "none" else 0)
 
 
 def measure(policy: str) -> dict:
@@ -137,13 +137,13 @@ def main():
         big.append([name, s, f"{fl['down'] / block:.3f}", f"{fl['head'] / (mm.n_layers * block):.4f}",
                     f"{expected_ratio('full', mm, s):.4f}"])
     print(C.table(["model", "seq", "w_down / block", "head / blocks", "full remat ratio"], big))
-    c = lambda mm, beta: beta * (6 + (2 * mm.n_heads + 2 * mm.n_kv_heads) * mm.hd / mm.dim
+    c = lambda mm, beta: beta * (4 + (2 * mm.n_heads + 2 * mm.n_kv_heads) * mm.hd / mm.dim
                                  + 6 * mm.ffn_dim / mm.dim)
     kor = [[n, f"{c(mm, 4):.0f}", f"{c(mm, 2):.0f}", "16", "34", "5"]
            for n, mm in (("tiny", m), ("llama3-8b", models.get("llama3-8b")))]
     print()
-    print(C.table(["model", "c (fp32, as measured)", "c (16-bit activations)", "c' (fp32 softmax)",
-                   "GPT c", "GPT c'"], kor,
+    print(C.table(["model", "c (fp32, the formula checked above)", "c (16-bit activations)",
+                   "c' (fp32 softmax)", "GPT c", "GPT c'"], kor,
                   title="per-layer activations with no remat: sbh (c + c' as/h) bytes, this "
                         "block vs Korthikanti's GPT block (16-bit, dropout)"))
 

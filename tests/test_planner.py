@@ -118,12 +118,12 @@ def test_korthikanti_breakdown():
 
 
 def test_llama_block_constants():
-    """fp32, tiny (f = 3d, K = H/2, hd = d/H): 4 sbh (6 + 2 + 1 + 6 x 3) + 16 a s^2 b per layer."""
+    """fp32, tiny (f = 3d, K = H/2, hd = d/H): 4 sbh (4 + 2 + 1 + 6 x 3) + 16 a s^2 b per layer."""
     m = models.get("tiny")
     s, b = 32, 2
     la = activations.layer_activations(m, s, b * s, 4, activations.Split())
-    stats = b * s * (4 + 4 * m.n_heads) * 4
-    assert la.saved - stats == 4 * s * b * m.dim * 27 + 16 * m.n_heads * s * s * b
+    stats = b * s * (2 + 4 * m.n_heads) * 4
+    assert la.saved - stats == 4 * s * b * m.dim * 25 + 16 * m.n_heads * s * s * b
     fused = activations.layer_activations(m, s, b * s, 4, activations.Split(), attention="cudnn")
     assert la.saved - fused.saved == 16 * m.n_heads * s * s * b + 3 * b * s * m.n_heads * 4
     tp = activations.layer_activations(m, s, b * s, 4, activations.Split(tp=4))

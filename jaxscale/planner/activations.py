@@ -10,26 +10,26 @@ beta = compute dtype bytes:
 | tensor                         | elements      | bytes  | split by        |
 |--------------------------------|---------------|--------|-----------------|
 | layer input x                  | d             | beta   | residual stream |
-| attn_norm: x * rsqrt (fp32)    | d             | 4      | residual stream |
 | attn_norm output h             | d             | beta   | residual stream |
 | q after RoPE                   | H hd          | beta   | tp              |
 | k after RoPE, v                | 2 K hd        | beta   | tp              |
 | attention scores, 4 buffers    | 4 H s         | 4      | tp (xla only)   |
 | attn_out (P V)                 | H hd          | beta   | tp              |
 | x after attention residual     | d             | beta   | residual stream |
-| mlp_norm: x * rsqrt (fp32)     | d             | 4      | residual stream |
 | mlp_norm output                | d             | beta   | residual stream |
 | gate, up                       | 2 f           | beta   | tp              |
 | silu chain (sigmoid, silu, ')  | 3 f           | beta   | tp              |
 | hidden = silu(gate) * up       | f             | beta   | tp              |
-| RMSNorm statistics             | 4             | 4      | residual stream |
+| RMSNorm statistics (1 / rms)   | 2             | 4      | residual stream |
 | softmax statistics             | 4 H (fused: H)| 4      | tp              |
 
 The four score-sized fp32 buffers are the masked scores, their exponentials, the masked and the
 normalised probabilities of `kernels/reference.py` (JAX saves seven, XLA keeps four). A fused
 attention (`blockwise`, `pallas`, `cudnn`) keeps none of them, only O(s) statistics. For
-d = H hd, fp32 and K = H/2 this is 4 sbh (6 + 2 + 1 + 6 f/d) + 16 a s^2 b bytes per layer; for
-the `tiny` model (f = 3d) 4 sbh x 27 + 16 a s^2 b. Compare Korthikanti et al. (arXiv
+d = H hd, fp32 and K = H/2 this is 4 sbh (4 + 2 + 1 + 6 f/d) + 16 a s^2 b bytes per layer; for
+the `tiny` model (f = 3d) 4 sbh x 25 + 16 a s^2 b. The RMSNorm keeps only its input (in the
+compute dtype) and one fp32 statistic per token (`jaxscale.models.llama.rms_norm`'s backward
+recomputes the rest): no fp32 copy of the residual stream in a 16-bit model. Compare Korthikanti et al. (arXiv
 2205.05198) for a GPT block in 16 bits: sbh (34 + 5 a s / h) (see `gpt.py`).
 
 Splits. "residual stream" tensors are replicated over `tp` unless Megatron sequence parallelism
@@ -87,16 +87,15 @@ def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "
     """The per-layer saved tensors (no remat) of the table in the module docstring."""
     m, b = model, compute_itemsize
     ffn = m.ffn_dim * (moe_top_k or 1)
-    out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm_f32", m.dim, 4, "res"),
-           Tensor("attn_norm", m.dim, b, "res"), Tensor("q", m.n_heads * m.hd, b, "tp"),
+    out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm", m.dim, b, "res"), Tensor("q", m.n_heads * m.hd, b, "tp"),
            Tensor("k", m.n_kv_heads * m.hd, b, "tp"), Tensor("v", m.n_kv_heads * m.hd, b, "tp")]
     if attention == "xla":
         out.append(Tensor("scores x4", 4 * m.n_heads * seq_len, 4, "scores"))
     out += [Tensor("attn_out", m.n_heads * m.hd, b, "tp"), Tensor("x_mid", m.dim, b, "res"),
-            Tensor("mlp_norm_f32", m.dim, 4, "res"), Tensor("mlp_norm", m.dim, b, "res"),
+            Tensor("mlp_norm", m.dim, b, "res"),
             Tensor("mlp_gate", ffn, b, "tp"), Tensor("mlp_up", ffn, b, "tp"),
             Tensor("silu chain x3", 3 * ffn, b, "tp"), Tensor("mlp_hidden", ffn, b, "tp"),
-            Tensor("norm statistics", 4, 4, "res"),
+            Tensor("norm statistics", 2, 4, "res"),
             Tensor("softmax statistics", (4 if attention == "xla" else 1) * m.n_heads, 4, "tp")]
     return out
 
