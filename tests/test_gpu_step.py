@@ -50,3 +50,13 @@ def test_xla_gpu_flag_preset_is_accepted_by_xla():
     assert _jax_starts_with("--xla_gpu_enable_no_such_flag=true") != 0
     assert _jax_starts_with("--xla_gpu_enable_command_buffer=NO_SUCH_COMMAND") != 0
     assert _jax_starts_with(gpu_step.XLA_GPU_PRESET) == 0
+
+
+def test_gpu_check_runs_its_stages_on_cpu(tmp_path):
+    """The one-call GPU job (`benchmarks/gpu_check.py`), smoke-tested on CPU with tiny shapes."""
+    from jaxscale.benchmarks import gpu_check
+    assert gpu_check.main(["--allow-cpu", "--tiny", "--only", "inspect", "--out",
+                           str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "the model formula" in summary and "device total" in summary
+    assert (tmp_path / "inspect.log").exists() and (tmp_path / "summary.json").exists()

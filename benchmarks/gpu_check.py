@@ -1,0 +1,151 @@
+"""Everything GPU-side in one call, for a session that is lent a GPU (under 9 minutes on an H200).
+
+    python -m benchmarks.gpu_check                       # on the GPU machine (no install needed:
+                                                         # PYTHONPATH=. works as well)
+    python -m benchmarks.gpu_check --allow-cpu --tiny    # CPU smoke test of the same stages
+
+Stages, each a subprocess with its own time limit (a failed or timed-out stage is recorded and
+the next one runs):
+1. `inspect`: the 0.57B bf16 step of `../shared/gpu/README.md` compiled, not run: per-device
+   memory, the census, and the matmul FLOPs read from the HLO by source (cuBLAS, Triton, cuDNN)
+   against the model formula (expected 1.01-1.02: cuDNN's backward recomputes QK^T);
+2. `offload`: the same with `plan.offload=optimizer+master`: device memory against stage 1 (the
+   goal of issue 12: the device total falls by >= 80% of the offloaded bytes);
+3. `step`: `benchmarks.gpu_step` (jaxscale vs torch.compile, tokens/s, MFU);
+4. `attention`: `experiments/gpu_flash_bench.py` at head_dim 128, seq 8k (Pallas vs cuDNN).
+Writes `summary.md` and `summary.json` (date, device, versions, every stage's result) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ["model.dim=2048", "model.n_layers=12", "model.n_heads=16", "model.n_kv_heads=8",
+         "model.ffn_dim=5632", "model.max_seq_len=2048", "data.seq_len=2048", "data.batch_size=8",
+         "plan.precision=bf16", "mesh=h200x1"]
+TINY = ["model.n_layers=2", "data.seq_len=64", "data.batch_size=8", "plan.precision=bf16",
+        "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1"]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def stages(args) -> list[tuple[str, list[str], float]]:
+    """(name, command, seconds allowed)."""
+    py = sys.executable
+    over = TINY if args.tiny else MODEL
+    out = Path(args.out)
+    inspect = [py, "-m", "jaxscale.cli", "inspect", "llama_tiny", *_sets(over), "--json"]
+    step = [py, "-m", "benchmarks.gpu_step", "--out", str(out / "step")]
+    step += (["--preset", "tiny", "--sides", "jax,torch-eager", "--steps", "2", "--warmup", "1"]
+             if args.tiny else ["--sides", "jax,torch-compile", "--warmup", "3", "--steps", "10"])
+    attn = [py, str(ROOT / "experiments" / "gpu_flash_bench.py"), "--out", str(out / "attention"),
+            "--head-dims", "128", "--seqs", "256" if args.tiny else "8192",
+            "--time-budget", "40" if args.tiny else "120"]
+    if args.allow_cpu:
+        attn.append("--allow-cpu")
+    return [("inspect", inspect, 150.0),
+            ("offload", inspect[:-1] + ["--set", "plan.offload=optimizer+master", "--json"], 150.0),
+            ("step", step, 150.0),
+            ("attention", attn, 130.0)]
+
+
+def run_stage(name: str, cmd: list[str], limit: float, log: Path) -> dict:
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit, env=env)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    return {"stage": name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
+            "stdout": stdout, "log": str(log)}
+
+
+def _json_from(stdout: str) -> dict | None:
+    start = stdout.find("{")
+    try:
+        return json.loads(stdout[start:]) if start >= 0 else None
+    except json.JSONDecodeError:
+        return None
+
+
+def summarise(results: dict) -> list[str]:
+    lines = []
+    rep = _json_from(results.get("inspect", {}).get("stdout", ""))
+    if rep:
+        f, m = rep["flops"], rep["memory"]
+        ratio = f["dot_flops"] / f["model_flops_per_device"]
+        lines.append(f"- inspect: matmul FLOPs from HLO {f['dot_flops']:.4g} = {ratio:.4f}x the "
+                     f"model formula; by source "
+                     + ", ".join(f"{k} {v:.3g}" for k, v in f.get("matmul_flops_by_source",
+                                                                  {}).items() if v)
+                     + f"; device total {m['total'] / 2**20:,.0f} MiB (temp "
+                       f"{m['temp'] / 2**20:,.0f})")
+        off = _json_from(results.get("offload", {}).get("stdout", ""))
+        if off:
+            mo = off["memory"]
+            host = mo["host_argument"]
+            saved = m["total"] - mo["total"]
+            lines.append(f"- offload optimizer+master: host {host / 2**20:,.0f} MiB, device total "
+                         f"{mo['total'] / 2**20:,.0f} MiB vs {m['total'] / 2**20:,.0f}: falls by "
+                         f"{saved / 2**20:,.0f} MiB = {saved / host if host else 0:.0%} of the "
+                         f"offloaded bytes (goal >= 80%)")
+    for name in ("step", "attention"):
+        r = results.get(name)
+        if r:
+            tail = [ln for ln in r["stdout"].strip().splitlines() if ln.strip()][-8:]
+            lines.append(f"- {name} (rc {r['rc']}, {r['seconds']} s):")
+            lines += [f"      {ln}" for ln in tail]
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/gpu_check")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (with --allow-cpu)")
+    ap.add_argument("--only", help="comma list of stages: inspect,offload,step,attention")
+    args = ap.parse_args(argv)
+    import shutil
+    if not args.allow_cpu and not shutil.which("nvidia-smi"):
+        ap.error("no NVIDIA GPU found (nvidia-smi); use --allow-cpu --tiny for a CPU smoke test")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = set(args.only.split(",")) if args.only else None
+    results = {}
+    for name, cmd, limit in stages(args):
+        if wanted and name not in wanted:
+            continue
+        print(f"[{name}] {' '.join(cmd)}", flush=True)
+        results[name] = run_stage(name, cmd, limit, out / f"{name}.log")
+        print(f"[{name}] rc {results[name]['rc']} in {results[name]['seconds']} s", flush=True)
+    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip() \
+        if shutil.which("nvidia-smi") else platform.processor() or "cpu"
+    head = [f"# GPU check, {datetime.datetime.now().isoformat(timespec='minutes')}",
+            f"device: {device}; python {platform.python_version()}", ""]
+    text = "\n".join(head + summarise(results)) + "\n"
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(
+        {"device": device, "results": {k: {kk: vv for kk, vv in v.items() if kk != "stdout"}
+                                       for k, v in results.items()}}, indent=2) + "\n")
+    print("\n" + text)
+    return 0 if all(r["rc"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
