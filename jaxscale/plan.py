@@ -3,7 +3,7 @@
 `Spec` is the plan as every consumer reads it: the model, the mesh degrees (and their cross-node
 parts), the hardware, the global batch and sequence, and the `plan.*` options, normalised from a
 `Config` by `Spec.from_config` (no JAX needed). Each strategy module in `jaxscale/strategies/`
-reads a `Spec` through the same five functions (see `jaxscale.strategies`), and this module
+reads a `Spec` through the same few functions (see `jaxscale.strategies`), and this module
 composes them, in this order, for every consumer alike (`train`, `inspect`'s theory, `jaxscale
 plan` and its `--search`):
 
