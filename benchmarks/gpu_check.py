@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma list of stages: inspect,offload,step,attention")
     args = ap.parse_args(argv)
     import shutil
-    if not args.allow_cpu and not shutil.which("nvidia-smi"):
+
+    from jaxscale.benchmarks.gpu_step import gpu_visible
+    if not args.allow_cpu and not gpu_visible():
         ap.error("no NVIDIA GPU found (nvidia-smi); use --allow-cpu --tiny for a CPU smoke test")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

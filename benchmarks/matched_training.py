@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in pairs if s not in PAIRS]
     if bad:
         p.error(f"unknown pair(s) {bad}; valid: {', '.join(PAIRS)}")
-    from jaxscale.bench.collectives import ensure_host_devices
-    ensure_host_devices(max(8, args.world, args.tp_world))
+    from jaxscale.hardware import simulate_cpu_devices
+    simulate_cpu_devices(max(8, args.world, args.tp_world))
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave GPU memory to torch
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")

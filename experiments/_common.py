@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
+from jaxscale.hardware import simulate_cpu_devices
+
 DEVICES = 8     # simulated CPU devices: the meshes of the experiments (cpu8) use all 8
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+simulate_cpu_devices(DEVICES)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

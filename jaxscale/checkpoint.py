@@ -169,6 +169,12 @@ def _leaf_sums(x):
     return jnp.stack([jnp.sum(b, dtype=jnp.uint32), jnp.sum(b * weight, dtype=jnp.uint32)])
 
 
+@jax.jit
+def _all_sums(leaves):
+    """Every leaf's sums in one program (jit caches it per state layout: compiled once a run)."""
+    return [_leaf_sums(x) for x in leaves]
+
+
 def checksums(state) -> dict[str, str]:
     """`{"params/layers/attn/wq": "89ab01cd12ef3456", ...}`: one checksum per state array,
     computed where the shards live (one read of the state) and independent of the mesh."""
@@ -177,7 +183,7 @@ def checksums(state) -> dict[str, str]:
     leaves = [leaf if getattr(leaf.sharding, "memory_kind", None) in (None, "device") else
               jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
               for _, leaf in flat]
-    sums = jax.device_get(jax.jit(lambda xs: [_leaf_sums(x) for x in xs])(leaves))
+    sums = jax.device_get(_all_sums(leaves))
     return {n: f"{int(s[0]):08x}{int(s[1]):08x}" for n, s in zip(names, sums)}
 
 

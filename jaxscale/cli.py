@@ -8,21 +8,7 @@ import shlex
 import sys
 
 from jaxscale.fields import arg
-
-
-def _ensure_cpu_devices(n: int = 8) -> None:
-    """On a CPU-only machine, simulate `n` devices unless the user set XLA_FLAGS themselves."""
-    if "jax" in sys.modules or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" or not _has_gpu():
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={n}").strip()
-
-
-def _has_gpu() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None or \
-        importlib.util.find_spec("jax_cuda13_plugin") is not None
+from jaxscale.hardware import simulate_cpu_devices
 
 
 def _load(args, out=None, checkpoints: bool = False, data: bool = False):
@@ -51,11 +37,9 @@ def _load(args, out=None, checkpoints: bool = False, data: bool = False):
 
 
 def _train_out(args):
-    """train's run directory (`jaxscale.train.loop.run_directory`), without importing JAX."""
-    def out(cfg):
-        from jaxscale.train.loop import run_directory
-        return run_directory(cfg, args.out)
-    return out
+    """train's run directory (`jaxscale.config.run_directory`)."""
+    from jaxscale.config import run_directory
+    return lambda cfg: run_directory(cfg, args.out)
 
 
 def _resume_command(args) -> str:
@@ -179,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    _ensure_cpu_devices(getattr(args, "devices", None) or 8)   # plan's --devices defaults to None
+    simulate_cpu_devices(getattr(args, "devices", None) or 8)   # plan's --devices defaults to None
     try:
         return args.func(args)
     except (ValueError, KeyError, TypeError) as e:

@@ -122,6 +122,11 @@ def check(cfg: Config) -> list[str]:
     return fields.problems(cfg)
 
 
+def run_directory(cfg: Config, out=None) -> str:
+    """Where a run writes: `out` (`--out`), else `train.out`, else `runs/<name>`."""
+    return str(out or cfg.train.out or f"runs/{cfg.name}")
+
+
 def data_problems(cfg: Config) -> list[str]:
     """What stops a command that reads the training data: every `data.source` glob must match a
     file, and the model's vocabulary must hold the tokenizer's ids (a model loaded with its own

@@ -53,6 +53,19 @@ class Hardware:
         return self.inter_latency if cross_node else self.intra_latency
 
 
+def simulate_cpu_devices(n: int = 8) -> bool:
+    """Ask XLA for `n` simulated CPU devices (`--xla_force_host_platform_device_count`) unless
+    JAX is already imported or XLA_FLAGS already sets a count; harmless on a GPU machine (the
+    flag only shapes the CPU backend). Call before JAX starts (the CLI, the experiments and the
+    benchmarks do); returns whether the flag was set."""
+    import sys
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return True
+
+
 def _host_memory() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

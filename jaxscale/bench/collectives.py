@@ -44,20 +44,9 @@ from pathlib import Path
 from jaxscale.bench.torch_collectives import KINDS, TorchFailure, TorchJob
 from jaxscale.cost import busbw_factor
 from jaxscale.fields import arg, dir_problem
+from jaxscale.hardware import simulate_cpu_devices
 KiB, MiB = 1024, 1024 * 1024
 CPU_MAX_BYTES, GPU_MAX_BYTES = 16 * MiB, 256 * MiB
-
-
-def ensure_host_devices(n: int = 8) -> bool:
-    """Ask XLA for `n` simulated CPU devices, if jax is not imported yet and no count is set.
-
-    Returns whether the flag was set. Harmless on GPU machines (it only shapes the CPU backend).
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    return True
 
 
 @dataclass
@@ -482,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
     except ValueError as e:
         return _fail(p, str(e))
-    ensure_host_devices(max(8, args.world or 8))
+    simulate_cpu_devices(max(8, args.world or 8))
     try:
         result = run_sweep(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:

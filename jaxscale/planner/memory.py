@@ -40,6 +40,7 @@ from jaxscale.planner import params as params_lib
 from jaxscale.planner.activations import of_spec
 from jaxscale.strategies import fsdp, pp
 from jaxscale.strategies.common import Term
+from jaxscale.strategies.zero import STAGE_OF
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
 
@@ -47,10 +48,12 @@ ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", 
 def model_states(psi: float, n: int, zero: int, mixed: bool = True) -> dict[str, float]:
     """Bytes per device of parameters, gradients, master weights and Adam moments (ZeRO)."""
     pb = 2 if mixed else 4
-    return {"params": psi * pb / (n if zero >= 3 else 1),
-            "grads": psi * pb / (n if zero >= 2 else 1),
-            "master": (psi * 4 / (n if zero >= 1 else 1)) if mixed else 0.0,
-            "optimizer": psi * 8 / (n if zero >= 1 else 1)}
+
+    def split(part):
+        return n if zero >= STAGE_OF[part] else 1
+    return {"params": psi * pb / split("params"), "grads": psi * pb / split("grads"),
+            "master": psi * 4 / split("master") if mixed else 0.0,
+            "optimizer": psi * 8 / split("optimizer")}
 
 
 @dataclass
@@ -95,7 +98,7 @@ def optimizer_copy(spec, sh) -> float:
     return sh.optimizer * (2 * moment_bytes + (4 if spec.mixed else 0))
 
 
-def model_terms(spec) -> list[Term]:
+def model_terms(spec, full) -> list[Term]:
     """The terms every plan has, whatever its strategies: the gradient buffer, one layer's
     working activations, the fp32 logits and their gradient, the optimizer copy of the update."""
     sh = params_lib.shards(spec)
@@ -105,7 +108,7 @@ def model_terms(spec) -> list[Term]:
     tokens = spec.micro_batch * spec.local_seq
     logits = 2 * tokens * spec.model.vocab_size / spec.deg("tp") * 4
     return [Term("backward", grads, "local gradient buffer"),
-            Term("backward", of_spec(spec, "none").saved,
+            Term("backward", full.saved,
                  "one layer's activations while its backward runs"),
             Term("backward", logits, "fp32 logits and their gradient"),
             Term("update", grads, "local gradient buffer"),
@@ -113,7 +116,8 @@ def model_terms(spec) -> list[Term]:
 
 
 def estimate(spec) -> Memory:
-    terms = model_terms(spec) + plan_lib.memory_terms(spec)
+    full = of_spec(spec, "none")         # one layer's activations without remat
+    terms = model_terms(spec, full) + plan_lib.memory_terms(spec)
     row = {r: sum(t.bytes for t in terms if t.row == r) for r in
            ("params", "master", "grads", "optimizer", "activations", "backward", "update")}
     host: dict[str, float] = {}
@@ -138,5 +142,5 @@ def estimate(spec) -> Memory:
     return Memory(params=row["params"], master=row["master"], grads=row["grads"],
                   optimizer=row["optimizer"], activations=acts, temporaries=temporaries,
                   batch=batch + counters, host=host, xla=xla,
-                  layer=dict(of_spec(spec, "none").tensors), in_flight=pp.in_flight(spec),
+                  layer=dict(full.tensors), in_flight=pp.in_flight(spec),
                   phases={"backward": backward, "update": update}, terms=terms)

@@ -123,10 +123,7 @@ def collective_time(spec, c: Comm) -> float:
 
 def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
     hw = spec.hardware
-    fp32 = spec.precision == "fp32" and spec.model.dtype == "float32"
-    peak = hw.peak_fp32 if fp32 else hw.peak_bf16
-    if spec.device_kind == "cpu":
-        peak /= spec.n_devices            # simulated devices share the host's cores
+    peak = hardware.peak_flops_per_device(spec.device_kind, compute_dtype(spec), spec.n_devices)
     matmul = fl.per_device / (peak * hw.matmul_efficiency)
     k = max(1, spec.accumulate)
     state = memory.params + memory.master + memory.optimizer + memory.grads

@@ -55,5 +55,15 @@ class Term:
         return asdict(self)
 
 
+def problems_of(parse, *args) -> list[str]:
+    """A strategy's validation from the parser its step uses: [] when `parse(*args)` accepts,
+    else the ValueError's message (which names the field and the valid values)."""
+    try:
+        parse(*args)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
 def dtype_bytes(dtype: str) -> int:
     return np.dtype(dtype).itemsize

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from jaxscale.axes import MESH_AXES
 from jaxscale.strategies.common import Comm
 
 NAME = "dp"
@@ -46,7 +47,6 @@ def _group(spec, axes) -> int:
 
 
 def _axes(spec, names) -> tuple[str, ...]:
-    from jaxscale.axes import MESH_AXES
     return tuple(a for a in MESH_AXES if a in set(names))
 
 

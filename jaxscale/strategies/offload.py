@@ -9,7 +9,7 @@ policy (`plan.remat=offload`), not here.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Term
+from jaxscale.strategies.common import Term, problems_of
 
 NAME = "offload"
 AVAILABLE = True
@@ -48,11 +48,10 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    try:
-        parts = parse(spec.offload)
-    except ValueError as e:
-        return [str(e)]
-    if "master" in parts and not spec.mixed:
+    errs = problems_of(parse, spec.offload)
+    if errs:
+        return errs
+    if "master" in parse(spec.offload) and not spec.mixed:
         return [f"plan.offload includes 'master' but plan.precision={spec.precision} keeps no "
                 f"separate fp32 master weights; offload 'params' or 'optimizer', or use bf16/fp16"]
     return []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.strategies.common import Term, dtype_bytes
+from jaxscale.strategies.common import Term, dtype_bytes, problems_of
 
 NAME = "precision"
 AVAILABLE = True
@@ -109,11 +109,7 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    try:
-        policy(spec)
-    except ValueError as e:
-        return [str(e)]
-    return []
+    return problems_of(policy, spec)
 
 
 def rules(spec, rules) -> None:

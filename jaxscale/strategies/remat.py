@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxscale.strategies.common import Term
+from jaxscale.strategies.common import Term, problems_of
 
 NAME = "remat"
 AVAILABLE = True
@@ -86,11 +86,7 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    try:
-        parse(spec.remat)
-    except ValueError as e:
-        return [str(e)]
-    return []
+    return problems_of(parse, spec.remat)
 
 
 def rules(spec, rules) -> None:

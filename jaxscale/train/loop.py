@@ -176,14 +176,11 @@ def train(cfg, out: Path | None = None, progress: bool = True, resume: bool = Fa
     `resume_command` is the command line printed in messages that say how to resume. A signal
     that arrives while the run starts (restore, compilation) is honoured after the first step."""
     from jaxscale.fields import raise_problems
-    raise_problems(config_lib.check(cfg) + config_lib.data_problems(cfg))   # before any write
+    # the fields are checked with the plan (`build`); what only training needs, here
+    raise_problems(config_lib.data_problems(cfg))
     with Preemption() as pre:
-        return _train(cfg, Path(run_directory(cfg, out)), progress, resume, resume_command, pre)
-
-
-def run_directory(cfg, out=None) -> str:
-    """Where a run writes: `out` (`--out`), else `train.out`, else `runs/<name>`."""
-    return str(out or cfg.train.out or f"runs/{cfg.name}")
+        return _train(cfg, Path(config_lib.run_directory(cfg, out)), progress, resume,
+                      resume_command, pre)
 
 
 def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
