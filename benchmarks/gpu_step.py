@@ -16,6 +16,9 @@ side's allocator, compile cache, threads or XLA flags reach another; the parent 
                  weights and AdamW), attention `--jax-attention` (default `auto`: cuDNN on a GPU).
   jax-xla-flags  the same with XLA_FLAGS += `--xla-flags` (default `XLA_GPU_PRESET`), set in the
                  child before jax is imported. GPU only: on a CPU the side is skipped with a note.
+  jax-unrolled   the `jax` side with `model.scan_layers=false`: the layers as straight-line code
+                 instead of one `lax.scan` body (no stacked residuals to copy, longer compile);
+                 its first step (compile included) is reported beside the scan's.
   torch-eager    `benchmarks.torch_llama.TorchLlama` of the same shape (fp32 parameters = master
                  weights), bf16 autocast, SDPA attention (`--sdpa`, default: PyTorch's own
                  dispatch, FlashAttention-2 for bf16 causal GQA on an H100/H200), loss = token
@@ -77,7 +80,7 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = ("jax", "jax-xla-flags", "torch-eager", "torch-compile")
+SIDES = ("jax", "jax-xla-flags", "jax-unrolled", "torch-eager", "torch-compile")
 RESULT_PREFIX = "GPU_STEP_RESULT "
 XLA_GPU_PRESET = ("--xla_gpu_enable_latency_hiding_scheduler=true "
                   "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
@@ -143,7 +146,8 @@ def jax_worker(spec: dict, side: str) -> dict:
     if spec["device"] == "gpu" and backend != "gpu":
         raise RuntimeError(f"--device gpu, but jax's backend is {backend!r} "
                            f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})")
-    cfg = apply_overrides(load_experiment("llama_tiny"), spec["overrides"])
+    overrides = spec["overrides"] + (["model.scan_layers=false"] if side == "jax-unrolled" else [])
+    cfg = apply_overrides(load_experiment("llama_tiny"), overrides)
     dev = jax.devices()[0]
     setup = build(cfg, devices=[dev])
     state = setup.init_state()
@@ -160,6 +164,7 @@ def jax_worker(spec: dict, side: str) -> dict:
     mem = dev.memory_stats() or {}
     return {"framework": "jax", "backend": backend, "device_name": dev.device_kind,
             "jax_version": jax.__version__, "attention": cfg.model.attention,
+            "scan_layers": cfg.model.scan_layers,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "losses": losses,
             "peak_bytes": mem.get("peak_bytes_in_use"), **_summary(times, spec["warmup"])}
 
@@ -340,16 +345,17 @@ def finish(results: list[dict], spec: dict, cfg) -> None:
 
 def format_table(results: list[dict]) -> str:
     ref = next((r["ratio_to"] for r in results if "ratio_to" in r), None)
-    head = ("side", "tokens/s", "median step ms", "MFU", f"x {ref}" if ref else "ratio", "status")
+    head = ("side", "tokens/s", "median step ms", "first step s", "MFU",
+            f"x {ref}" if ref else "ratio", "status")
     rows = []
     for r in results:
         if r["status"] == "ok":
             rows.append((r["side"], f"{r['tokens_per_s']:,.0f}", f"{1e3 * r['median_step_s']:.1f}",
-                         f"{100 * r['mfu']:.1f}%", f"{r['ratio']:.2f}" if "ratio" in r else "-",
-                         "ok"))
+                         f"{r['first_step_s']:.1f}", f"{100 * r['mfu']:.1f}%",
+                         f"{r['ratio']:.2f}" if "ratio" in r else "-", "ok"))
         else:
             note = r.get("note") or r.get("error", "").splitlines()[0][:70]
-            rows.append((r["side"], "-", "-", "-", "-", f"{r['status']}: {note}"))
+            rows.append((r["side"], "-", "-", "-", "-", "-", f"{r['status']}: {note}"))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
     fmt = lambda row: " | ".join(str(c).ljust(w) for c, w in zip(row, widths))  # noqa: E731
     return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])

@@ -11,14 +11,14 @@ from jaxscale.benchmarks import gpu_step
 
 def test_tiny_cpu_run_writes_table_json_and_png(tmp_path, capsys):
     rc = gpu_step.main(["--preset", "tiny", "--device", "cpu", "--sides",
-                        "jax,jax-xla-flags,torch-eager", "--warmup", "1", "--steps", "2",
+                        "jax,jax-xla-flags,jax-unrolled,torch-eager", "--warmup", "1", "--steps", "2",
                         "--timeout", "120", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     doc = json.loads((tmp_path / "results.json").read_text())
     res = {r["side"]: r for r in doc["results"]}
-    assert set(res) == {"jax", "jax-xla-flags", "torch-eager"}
-    for side in ("jax", "torch-eager"):
+    assert set(res) == {"jax", "jax-xla-flags", "jax-unrolled", "torch-eager"}
+    for side in ("jax", "jax-unrolled", "torch-eager"):
         r = res[side]
         assert r["status"] == "ok", r
         assert r["tokens_per_s"] > 0 and r["median_step_s"] > 0
@@ -29,6 +29,7 @@ def test_tiny_cpu_run_writes_table_json_and_png(tmp_path, capsys):
         assert r["ratio_to"] == "torch-eager"
         assert side in out
     assert res["torch-eager"]["ratio"] == 1.0
+    assert res["jax"]["scan_layers"] and not res["jax-unrolled"]["scan_layers"]
     assert res["jax"]["attention"] == "auto" and res["torch-eager"]["attention"] == "sdpa:default"
     # the XLA GPU flag side is not run on a CPU, and says so
     assert res["jax-xla-flags"]["status"] == "skipped" and res["jax-xla-flags"]["note"]

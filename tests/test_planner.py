@@ -27,17 +27,16 @@ def _compiled(plan):
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_prediction_matches_compiled_step(plan):
-    """arg+output within 5%, temp within 15%, FLOPs within 5% of the HLO dot FLOPs, and every
-    (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
+    """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validate.TOLERANCE` (5%,
+    16%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
     tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice (the prediction
     names that kind per collective), and the LM head's backward all-gather is `optional`
     (XLA's CSE merges it with the forward one on some configs, not on others)."""
     cfg, rep = _compiled(plan)
     cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
     rows = {r["what"]: r["ratio"] for r in cmp["memory"]}
-    assert abs(rows["argument+output"] - 1) < 0.05, cmp
-    assert abs(rows["temp"] - 1) < 0.15, cmp
-    assert abs(rows["flops"] - 1) < 0.05, cmp
+    for what in ("argument+output", "temp", "flops"):
+        assert abs(rows[what] - 1) <= validate.TOLERANCE[what], (what, cmp)
     assert cmp["collectives"] or plan == "single"
     for r in cmp["collectives"]:
         assert r["compiled"] > 0 and r["predicted"] > 0, r      # nothing missing on either side

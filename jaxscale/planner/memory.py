@@ -25,7 +25,7 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
   strategies' (ZeRO-1: the all-reduced gradients; accumulation: the accumulator).
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
 (`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
-`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on every cpu8 plan).
+`docs/planner.md` gives the predicted-vs-compiled table (temp within 16% on every cpu8 plan).
 
 The XLA view (`argument`, `output`, `temp`, `alias`) is what `compiled.memory_analysis()` reports:
 arguments are the device-resident state and the batch, outputs the new state (aliased to the

@@ -4,7 +4,8 @@ FLOPs (matmuls; 2 per multiply-add). Per token and layer, forward: 2 h (H + 2K) 
 2 H hd h for the output projection, 6 h f for SwiGLU (MoE: top_k experts plus a 2 h E router),
 and the attention core QK^T and PV, 4 s H hd: the `xla` attention computes the masked half too,
 a fused kernel skips it (causal: half) and its backward recomputes QK^T (2.5x its forward,
-FlashAttention-2). Plus the LM head 2 h V. Backward = 2 x forward. A remat
+FlashAttention-2). Plus the LM head 2 h V, and for a small vocabulary the embedding gradient's
+one-hot matmul 2 h V (backward only). Backward = 2 x forward. A remat
 policy replays the forward matmuls whose outputs it did not keep and the backward needs
 (`recompute_per_token`; `full` replays all but the MLP-down projection). Per device: the
 local tokens (batch / (dp fsdp ep), sequence / sp) times the per-token FLOPs / tp, the layers
@@ -91,7 +92,18 @@ def flops(spec) -> Flops:
     model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
         rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t
-    return Flops(3 * fwd + rec, fwd, rec, model_tok * spec.batch * spec.seq / spec.n_devices)
+    return Flops(3 * fwd + rec + embedding_gradient(spec, tokens), fwd, rec,
+                 model_tok * spec.batch * spec.seq / spec.n_devices)
+
+
+def embedding_gradient(spec, tokens: float) -> float:
+    """The embedding gradient's one-hot matmul, on the first stage, for small vocabularies
+    (`jaxscale.models.llama.embed_lookup`): 2 x vocabulary / tp x dim per local token."""
+    from jaxscale.models.llama import ONE_HOT_MAX_VOCAB
+    m = spec.model
+    if m.vocab_size > ONE_HOT_MAX_VOCAB:
+        return 0.0
+    return 2 * m.vocab_size / spec.deg("tp") * m.dim * tokens / spec.deg("pp")
 
 
 @dataclass
