@@ -23,9 +23,11 @@ from typing import Iterable, Sequence
 #: Mesh axes, outer (slowest link) to inner (fastest link). Nothing else invents axis names.
 MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 
-#: Logical axes the models may use.
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                "layers", "experts")
+#: Logical axes the models may use. `seq` is the sequence of the attention and MLP regions;
+#: `norm_seq` that of the residual stream and the norms between them (Megatron sequence
+#: parallelism splits it over tp where `seq` stays whole; context parallelism splits both over sp).
+LOGICAL_AXES = ("batch", "seq", "norm_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                "vocab", "layers", "experts")
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Rules:
 
     table: dict[str, tuple[str, ...]] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)
+    #: how attention runs over a sequence split across devices (`plan.context`, set by sp)
+    context: str | None = None
 
     def add(self, logical: str, mesh_axes: str | Sequence[str] | None, by: str) -> "Rules":
         if logical not in LOGICAL_AXES:
@@ -76,6 +80,17 @@ _ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 def use_rules(mesh, rules: Rules):
     """Make `constrain` shard activations on `mesh` by `rules` while tracing inside the block."""
     token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def suspended():
+    """No rules while tracing inside the block: the body of a `shard_map`, whose arrays are
+    per-device shards that global rules must not constrain."""
+    token = _ACTIVE.set(None)
     try:
         yield
     finally:
