@@ -8,11 +8,19 @@ fp32 master and Adam, dp=8, batch 16 x 64.
    compiled executable's input shardings. Device-resident bytes should drop by exactly the
    offloaded state: Adam moments 8 bytes/param, + fp32 master 4, or the bf16 params 2. Three
    training steps of each give the same losses.
-2. Activation offload: the bytes `plan.remat=offload` sends to host memory per step (device_puts
+2. The streamed update: the optimizer update runs as a loop over the layers that brings one
+   layer of the offloaded state to the device, updates it and writes it back into host memory
+   (`jaxscale.strategies.offload.streamed_update`). Read from the program lowered for CUDA (here,
+   without a GPU: XLA:CPU lowers memory-space moves to nothing), every host->device move of
+   offloaded state is one layer's slice in the loop or an unstacked leaf, never a whole stacked
+   leaf; from the CPU-compiled program, the temp against no offload (the non-offloaded update
+   keeps a copy of the whole optimizer state; the streamed one holds one layer) and against the
+   planner's prediction (`jaxscale.planner`, tolerance 16% as in planner_validation).
+3. Activation offload: the bytes `plan.remat=offload` sends to host memory per step (device_puts
    the checkpoint policy inserts, times the layer scan), against q, k, v, attention output, output
    projection, gate and up per layer (the policy names mlp_down too, but no backward computation
    needs a layer's last matmul output, so it is neither kept nor sent).
-3. A PCIe-bound step-time model: every offloaded byte crosses the host link twice per step (in
+4. A PCIe-bound step-time model: every offloaded byte crosses the host link twice per step (in
    for the step, back after the update; offloaded activations out in the forward and back in the
    backward). Transfer time = bytes / `host_bw` of `jaxscale/hardware.py`, against compute time =
    dot FLOPs / (peak x matmul efficiency), for this run and for Llama-3-8B under FSDP over N = 8
@@ -26,12 +34,15 @@ from __future__ import annotations
 
 import time
 
+import re  # noqa: E402
+from collections import Counter  # noqa: E402
+
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxscale import models  # noqa: E402
-from jaxscale import hardware, compiled  # noqa: E402
+from jaxscale import hardware, compiled, planner  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -64,7 +75,51 @@ def placement(offload: str, batches) -> dict:
         losses.append(float(m["loss"]))
     return {"offload": offload, "device": inputs["device"], "host": inputs["pinned_host"],
             "host_out": outputs["pinned_host"], "flops": compiled.flops(exe)["dot_flops"],
-            "losses": losses, "psi": cfg.model.param_count()}
+            "losses": losses, "psi": cfg.model.param_count(),
+            "temp": compiled.memory(exe)["temp"],
+            "temp_predicted": planner.predict(cfg).memory.xla["temp"],
+            "moves": gpu_moves(setup) if offload != "none" else {}}
+
+
+def gpu_moves(setup) -> dict:
+    """Memory-space moves (`annotate_device_placement`) of the program lowered for CUDA: how many
+    go to the device and to host memory inside the layer loop, and how many bring a whole
+    host-resident layer-stacked leaf to the device anywhere (shapes that a device-resident leaf
+    also has are not counted: the step's outputs are annotated with their memory kind too)."""
+    with jax.set_mesh(setup.placement.mesh):
+        text = setup.train_step.trace(setup.abstract_state(), setup.abstract_batch()).lower(
+            lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    comp, calls, bodies, moves = None, {}, set(), []
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?([\w.\-]+)\s.*\{\s*$", line)
+        if m and "=" not in line.split("(")[0]:
+            comp = m.group(1)
+        calls.setdefault(comp, set()).update(
+            re.findall(r"\b(?:calls|to_apply|body)=%?([\w.\-]+)", line))
+        bodies.update(re.findall(r"\bbody=%?([\w.\-]+)", line))
+        kind = re.search(r'= (\w+\[[\d,]*\]).*annotate_device_placement.*'
+                         r'_xla_buffer_placement="(\w+)"', line)
+        if kind:
+            moves.append((comp, kind.group(2), kind.group(1)))
+    loop, todo = set(), list(bodies)
+    while todo:
+        c = todo.pop()
+        if c not in loop:
+            loop.add(c)
+            todo += calls.get(c, ())
+
+    def hlo_shape(x):
+        return f"{np.dtype(x.dtype).name.replace('float', 'f')}[{','.join(map(str, x.shape))}]"
+    leaves = jax.tree.leaves(setup.abstract_state())
+    L = setup.cfg.model.n_layers
+    host = {hlo_shape(x) for x in leaves if x.sharding.memory_kind == "pinned_host"
+            and x.ndim and x.shape[0] == L}
+    host -= {hlo_shape(x) for x in leaves if x.sharding.memory_kind != "pinned_host"}
+    count = Counter((c in loop, k) for c, k, _ in moves)
+    return {"in_loop_to_device": count[(True, "device")],
+            "in_loop_to_host": count[(True, "pinned_host")],
+            "whole_stacked_to_device": sum(k == "device" and sh in host for _, k, sh in moves),
+            "checked_shapes": len(host)}
 
 
 def main():
@@ -92,6 +147,39 @@ def main():
                    "expected (B/param x Psi)", "host bytes written back", "losses"], rows,
                   title=f"per-device train state, bf16 + fp32 master + Adam, dp=8 (Psi = "
                         f"{psi:,}; step counters stay on device)"))
+
+    stream_rows = []
+    for o, r in res.items():
+        mv = r["moves"]
+        ratio = r["temp_predicted"] / r["temp"]
+        stream_rows.append([o, f"{r['temp'] / C.MiB:.3f}", f"{r['temp_predicted'] / C.MiB:.3f}",
+                            f"{ratio:.3f}", mv.get("in_loop_to_device", "-"),
+                            mv.get("in_loop_to_host", "-"),
+                            mv.get("whole_stacked_to_device", "-")])
+        claims.check(f"{o}: planner temp / compiled temp", f"{ratio:.3f}", "within 16%",
+                     abs(ratio - 1) <= 0.16)
+        if o == "none":
+            continue
+        claims.check(f"{o}: compiled temp not above no offload's (MiB)",
+                     f"{r['temp'] / C.MiB:.3f}", f"<= {base['temp'] / C.MiB:.3f}",
+                     r["temp"] <= base["temp"])
+        stacked = 9 * sum(1 if p == "params" else 2 if p == "optimizer" else 1
+                          for p in o.split("+"))
+        claims.check(f"{o}: layer slices moved in the loop, to device / to host",
+                     f"{mv['in_loop_to_device']} / {mv['in_loop_to_host']}",
+                     f"{stacked} / {stacked}",
+                     mv["in_loop_to_device"] == mv["in_loop_to_host"] == stacked)
+        # the working parameters come over whole for the forward; with the master weights on
+        # the device, the moments' shapes are the master's too (no shape left to tell them by)
+        if o != "params" and mv["checked_shapes"]:
+            claims.check(f"{o}: whole stacked offloaded leaves moved to the device",
+                         mv["whole_stacked_to_device"], f"0 (of {mv['checked_shapes']} shapes)",
+                         mv["whole_stacked_to_device"] == 0)
+    print()
+    print(C.table(["offload", "temp MiB (CPU)", "predicted", "ratio", "moves in loop: to device",
+                   "to host", "whole stacked leaves to device"], stream_rows,
+                  title="the streamed update: compiled temp on XLA:CPU; memory-space moves of "
+                        "the program lowered for CUDA (9 stacked leaves per part)"))
 
     cfg = C.config(*C.DP8, "plan.precision=bf16", "plan.remat=offload", seq=SEQ, batch=BATCH)
     setup = build(cfg)

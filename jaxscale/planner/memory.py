@@ -21,8 +21,9 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
   fp32 accumulator);
 - update: the gradient buffer + a copy of the fp32 optimizer state, moments and master weights
   (XLA keeps the old values for the donated, skip-on-non-finite update; read from the buffer
-  assignment of `jaxscale inspect`; offloaded state is brought to the device for it) + the
-  strategies' (ZeRO-1: the all-reduced gradients; accumulation: the accumulator).
+  assignment of `jaxscale inspect`) + the strategies' (ZeRO-1: the all-reduced gradients;
+  accumulation: the accumulator; host offload streams the update layer by layer, so it holds
+  one piece, a layer's state and update, instead of the copy: `offload.memory`).
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
 (`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
 `docs/planner.md` gives the predicted-vs-compiled table (temp within 16% on every cpu8 plan).
@@ -93,7 +94,7 @@ class Memory:
 
 def optimizer_copy(spec, sh) -> float:
     """Bytes of the fp32 optimizer state (moments, master weights) XLA keeps a copy of during
-    the donated update; offloaded state is brought to the device for it too."""
+    the donated update (not with host offload, whose streamed update holds one piece instead)."""
     moment_bytes = 4 if spec.mixed else spec.param_itemsize
     return sh.optimizer * (2 * moment_bytes + (4 if spec.mixed else 0))
 
@@ -111,8 +112,26 @@ def model_terms(spec, full) -> list[Term]:
             Term("backward", full.saved,
                  "one layer's activations while its backward runs"),
             Term("backward", logits, "fp32 logits and their gradient"),
+            Term("backward", attention_tiles(spec), "blockwise attention's backward tiles"),
             Term("update", grads, "local gradient buffer"),
             Term("update", optimizer_copy(spec, sh), "copy of the fp32 optimizer state")]
+
+
+def attention_tiles(spec) -> float:
+    """The blockwise attention backward's fp32 working tiles: scores, probabilities and their
+    gradients, 4 [micro-batch, heads, bq, bk] tiles with bq = bk = min(512, keys) (Ulysses: its
+    heads over sp, the whole sequence). Ring and all-gather attention visit one pair of sequence
+    shards per hop, unrolled: XLA keeps 2 tiles of each of the sp hops until their gradients
+    merge (read from XLA:CPU buffer assignments). Fused kernels (pallas, cudnn) keep their tiles
+    on chip, and the `xla` implementation's scores are activations (`activations.py`)."""
+    m, sp = spec.model, spec.deg("sp")
+    ring = sp > 1 and spec.context != "ulysses"
+    if spec.attention != "blockwise" and not (ring and spec.device_kind == "cpu"):
+        return 0.0
+    heads = m.n_heads / spec.deg("tp") / (sp if sp > 1 and not ring else 1)
+    b = min(512, spec.local_seq if ring else spec.seq)
+    tiles = 2 * sp if ring else 4
+    return tiles * spec.micro_batch * heads * b * b * 4
 
 
 def estimate(spec) -> Memory:
@@ -125,7 +144,8 @@ def estimate(spec) -> Memory:
         if t.row == "host":
             host[t.part] = host.get(t.part, 0.0) + t.bytes
     acts = row["activations"]
-    batch = spec.local_batch * spec.local_seq * 12      # inputs, targets (int32), mask (f32)
+    batch = spec.local_batch * spec.seq * 12     # inputs, targets (int32), mask (f32): whole
+                                                 # along the sequence (sp.batch_seq_axis)
     counters = 3 * 4                                    # step, Adam count, schedule count
     backward = row["backward"] + acts
     update = row["update"]

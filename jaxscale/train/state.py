@@ -69,10 +69,25 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=min(optim.warmup_steps, decay),
         decay_steps=max(decay, optim.warmup_steps + 1), end_value=optim.lr * optim.min_lr_ratio)
-    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    parts = [clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                              weight_decay=optim.weight_decay, mask=_decay_mask))
     return optax.chain(*parts), schedule
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """Gradients scaled by max_norm / norm when their global norm reaches max_norm (the same
+    arithmetic as `optax.clip_by_global_norm`, and the same empty state).
+
+    The norm may be given (`update(..., grad_norm=n)`): an update applied piece by piece (host
+    offload streams it layer by layer) clips every piece by the norm of all the gradients."""
+    def update(updates, state, params=None, *, grad_norm=None, **_):
+        del params
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = norm < max_norm
+        return jax.tree.map(lambda g: jnp.where(keep, g, g / norm.astype(g.dtype) * max_norm),
+                            updates), state
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def _decay_mask(params):

@@ -4,13 +4,15 @@ Loss: token-mean cross entropy over the unmasked targets: the sum of per-token l
 micro-batch divided by the number of real tokens in the whole batch, so padding never dilutes the
 mean and k micro-batches give the gradients of one k-times batch.
 
-One step, in order: offloaded state to the device; k micro-batch gradients (of the loss times the
-loss scale) summed in a `lax.scan`; division by tokens x scale; the gradients' sharding for the
-ZeRO stage (replicated over dp for 0/1, sharded for 2/3); the optimizer update of the fp32 master
-(or of the parameters); the new 16-bit working parameters; state back to its memory kinds. A step
-whose loss or gradient norm is not finite leaves parameters, master and optimizer state untouched,
-reports `skipped=1` and (with loss scaling) halves the scale; carrying on or stopping is the
-loop's policy. The train state is donated: its buffers are reused for the new state.
+One step, in order: offloaded working parameters to the device; k micro-batch gradients (of the
+loss times the loss scale) summed in a `lax.scan`; division by tokens x scale; the gradients'
+sharding for the ZeRO stage (replicated over dp for 0/1, sharded for 2/3); their global norm; the
+optimizer update of the fp32 master (or of the parameters) and the new 16-bit working parameters,
+clipped by that norm: the whole state at once, or, with host offload, streamed through the device
+layer by layer and written back into host memory (`offload.streamed_update`). A step whose loss
+or gradient norm is not finite leaves parameters, master and optimizer state untouched, reports
+`skipped=1` and (with loss scaling) halves the scale; carrying on or stopping is the loop's
+policy. The train state is donated: its buffers are reused for the new state.
 """
 from __future__ import annotations
 
@@ -22,17 +24,19 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxscale.axes import use_rules
-from jaxscale.strategies import accumulate, offload
+from jaxscale.strategies import accumulate, offload, sp
 from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
-from jaxscale.train.state import FunctionalModel, StateLayout, TrainState, named_shardings
+from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_spec,
+                                  named_shardings)
 
 
-def batch_logical() -> dict[str, tuple[str, ...]]:
-    return {"inputs": ("batch", "seq"), "targets": ("batch", "seq"), "mask": ("batch", "seq")}
+def batch_logical(seq: str | None = "seq") -> dict[str, tuple[str | None, ...]]:
+    return {"inputs": ("batch", seq), "targets": ("batch", seq), "mask": ("batch", seq)}
 
 
 def batch_shardings(placement) -> dict[str, NamedSharding]:
-    return {k: placement.sharding(v) for k, v in batch_logical().items()}
+    seq = sp.batch_seq_axis(placement.spec)
+    return {k: placement.sharding(v) for k, v in batch_logical(seq).items()}
 
 
 def token_loss(logits_BTV, targets_BT, mask_BT):
@@ -42,17 +46,22 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | None = None):
+def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | None = None,
+                  layout: Callable | None = None):
     """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches.
 
     Differentiates sum(token losses) x scale / (B x T): gradients the size of a mean loss's (what a
-    loss scale is tuned for), rescaled exactly to the token mean afterwards."""
+    loss scale is tuned for), rescaled exactly to the token mean afterwards. `layout` (context
+    parallelism, `sp.batch_layout`) permutes the batch's tokens first and adds their positions:
+    a token mean does not depend on the order."""
     def sum_loss(params, batch, factor):
-        logits = model.apply(params, batch["inputs"], block_wrapper=block_wrapper)
+        logits = model.apply(params, batch["inputs"], batch.get("positions"),
+                             block_wrapper=block_wrapper)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
         return total * factor, (total, n)
 
     def grads_fn(params, batch, scale=1.0):
+        batch = layout(batch) if layout else batch
         slots = batch["targets"].size
         grads, (total, ntok) = accumulate.grads(
             lambda p, b: sum_loss(p, b, scale / slots), params, batch, k)
@@ -65,7 +74,12 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
 def make_train_step(model: FunctionalModel, optimizer, schedule, placement, policy,
                     lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
-    grads_fn = make_grads_fn(model, k, block_wrapper)
+    grads_fn = make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec))
+    grads_sh = named_shardings(placement, lay.specs.grads)
+    param_index = jax.tree.unflatten(jax.tree.structure(model.abstract_params),
+                                     range(len(jax.tree.leaves(model.abstract_params))))
+    stacked = {j for j, names in enumerate(jax.tree.leaves(model.logical, is_leaf=_is_spec))
+               if tuple(names)[:1] == ("layers",)}
 
     def to(tree, shardings):
         return offload.move(tree, shardings, lay.offload)
@@ -73,27 +87,44 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
     def train_step(state: TrainState, batch):
         with use_rules(placement.mesh, placement.rules):
             params = to(state.params, device_sh.params)
-            opt_state = to(state.opt_state, device_sh.opt_state)
-            master = to(state.master, device_sh.master)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             grads, loss, ntok = grads_fn(params, batch, scale)
-            grads = jax.lax.with_sharding_constraint(grads,
-                                                     named_shardings(placement, lay.specs.grads))
+            grads = jax.lax.with_sharding_constraint(grads, grads_sh)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            target = master if master is not None else params
-            updates, new_opt = optimizer.update(grads, opt_state, target)
-            new_target = optax.apply_updates(target, updates)
-            new_params = cast_tree(new_target, policy.param_dtype) if master is not None \
-                else new_target
 
-        def keep(new, old):
-            return keep_if_finite(finite, new, old)
+            def update(grads, opt_state, master, params):
+                """The optimizer update of the whole state or of any piece of it (a tree with
+                `None` where a leaf is not in the piece): element-wise but for the clip, which
+                takes the global norm of all the gradients."""
+                target = master if master is not None else params
+                updates, new_opt = optimizer.update(grads, opt_state, target, grad_norm=grad_norm)
+                new_target = optax.apply_updates(target, updates)
+                new_params = cast_tree(new_target, policy.param_dtype) if master is not None \
+                    else new_target
+                return (keep_if_finite(finite, new_params, params),
+                        keep_if_finite(finite, new_opt, opt_state),
+                        keep_if_finite(finite, new_target, master) if master is not None else None)
+
+            if lay.offload:       # streamed: one layer's offloaded state on the device at a time
+                opt_index = optax.tree_map_params(optimizer, lambda _, j: j, state.opt_state,
+                                                  param_index, transform_non_params=lambda _: -1)
+                has_master = state.master is not None
+                # the old working parameters from where they live (updated there in place)
+                new_params, new_opt, new_master = offload.streamed_update(
+                    update, (grads, state.opt_state, state.master, state.params),
+                    arg_sh=(grads_sh, host_sh.opt_state, host_sh.master, host_sh.params),
+                    out_sh=(host_sh.params, host_sh.opt_state, host_sh.master),
+                    out_like=(3, 1, 2),
+                    index=(param_index, opt_index, param_index if has_master else None,
+                           param_index),
+                    stacked=stacked, after=grad_norm)
+            else:
+                new_params, new_opt, new_master = update(grads, state.opt_state, state.master,
+                                                         params)
+
         new_state = TrainState(
-            step=state.step + 1,
-            params=to(keep(new_params, params), host_sh.params),
-            opt_state=to(keep(new_opt, opt_state), host_sh.opt_state),
-            master=to(keep(new_target, master), host_sh.master) if master is not None else None,
+            step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
             loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "tokens": ntok, "skipped": (~finite).astype(jnp.int32)}
@@ -105,9 +136,13 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
 
 
 def make_eval_step(model: FunctionalModel, placement, device_param_sh):
+    layout = sp.batch_layout(placement.spec)
+
     def eval_step(params, batch):
         with use_rules(placement.mesh, placement.rules):
-            logits = model.apply(jax.device_put(params, device_param_sh), batch["inputs"])
+            batch = layout(batch) if layout else batch
+            logits = model.apply(jax.device_put(params, device_param_sh), batch["inputs"],
+                                 batch.get("positions"))
         return token_loss(logits, batch["targets"], batch["mask"])
     return eval_step
 
