@@ -19,8 +19,9 @@ is linear; see experiments/24_flash_attention.py (speed table) and docs/attentio
 Sharding: `xla` and `blockwise` are plain jnp and partition under GSPMD. A Pallas call is opaque to
 GSPMD (it would be replicated), so under `axes.use_rules` `pallas` runs inside `jax.shard_map` over
 the mesh axes of the logical `batch` and `heads`/`kv_heads` axes (each device: its batch rows and
-its query heads with their own kv heads). The sequence stays whole per device (sequence-parallel
-attention is ring/Ulysses' job); if kv heads are not split like the query heads, heads stay whole.
+its query heads with their own kv heads). The sequence stays whole per device unless the rules
+split it over `sp`: then `kernels/context.py` runs ring, Ulysses or all-gather attention (the
+rules' `context`); if kv heads are not split like the query heads, heads stay whole.
 All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA
 without repeating K/V, rows with no allowed key give zeros.
 """
@@ -130,7 +131,19 @@ def resolve(implementation: str, q, k, *, causal: bool = True, segment_ids=None,
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | None = None,
               implementation: str = "xla"):
-    """q [B, T, H, D], k/v [B, S, K, D] -> [B, T, H, D]; see the module docstring for choices."""
+    """q [B, T, H, D], k/v [B, S, K, D] -> [B, T, H, D]; see the module docstring for choices.
+
+    Under rules that split the sequence over `sp` (context parallelism), the tokens are in the
+    zig-zag layout and attention runs as `plan.context` says (`kernels/context.py`), each hop or
+    head group on `implementation`."""
+    ctx = axes.active()
+    if ctx is not None and ctx[1].context:
+        if window is not None:
+            raise ValueError("a sliding window is not supported with context parallelism "
+                             "(mesh.sp > 1): use mesh.sp=1 for windowed attention")
+        from jaxscale.kernels.context import context_attention
+        return context_attention(q, k, v, method=ctx[1].context, causal=causal,
+                                 segment_ids=segment_ids, implementation=implementation)
     impl = resolve(implementation, q, k, causal=causal, segment_ids=segment_ids, window=window)
     if impl == "xla":
         return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)

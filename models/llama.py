@@ -1,7 +1,8 @@
 """LLaMA-style decoder in Flax NNX: RMSNorm, RoPE (optional Llama-3.1 scaling), SwiGLU, GQA.
 
 The model knows logical axes only: each weight carries its logical names (`out_sharding`
-metadata), activations pass through `constrain(x, "batch", "seq", ...)`, and the activations that
+metadata), activations pass through `constrain(x, "batch", "seq", ...)` (the residual stream
+through `"norm_seq"`, the axis sequence parallelism splits), and the activations that
 remat/offload policies talk about are tagged with `checkpoint_name` (see `TAGS`). No mesh axis and
 no strategy flag appears here; a strategy reaches the layers only through `block_wrapper`, a
 function applied to each block's pure `(x, block_state) -> x` function (e.g. `jax.checkpoint`).
@@ -275,10 +276,10 @@ class Block(nnx.Module):
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
         h = checkpoint_name(self.attn_norm(x_BTD), "attn_norm")
         x_BTD = x_BTD + self.attn(h, positions_BT, segment_ids_BT, inv_freq)
-        x_BTD = constrain(x_BTD, "batch", "seq", "embed")
+        x_BTD = constrain(x_BTD, "batch", "norm_seq", "embed")
         h = checkpoint_name(self.mlp_norm(x_BTD), "mlp_norm")
         x_BTD = x_BTD + self.mlp(h)
-        return constrain(x_BTD, "batch", "seq", "embed")
+        return constrain(x_BTD, "batch", "norm_seq", "embed")
 
 
 class Llama(nnx.Module):
@@ -312,8 +313,8 @@ class Llama(nnx.Module):
         # The table is read whole along `embed` (gathered, as any FSDP weight at use); only a
         # vocabulary split survives, which makes the lookup a masked gather plus one all-reduce.
         table_VD = constrain(self.embed[...], "vocab", None)
-        x = embed_lookup(table_VD, tokens_BT).astype(dt)
-        x = constrain(x, "batch", "seq", "embed")
+        x = constrain(embed_lookup(table_VD, tokens_BT).astype(dt), "batch", "seq", "embed")
+        x = constrain(x, "batch", "norm_seq", "embed")
 
         def block_fn(x, block_state, graphdef):
             return nnx.merge(graphdef, block_state)(x, positions_BT, segment_ids_BT, inv_freq)

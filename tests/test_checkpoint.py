@@ -244,6 +244,17 @@ def test_elastic_restore_8_to_4_to_1_devices(tmp_path, reference):
     np.testing.assert_allclose(_next_loss(s1, state1, 30), ref[30]["loss"], rtol=2e-6)
 
 
+@pytest.mark.parametrize("context", ["ring", "ulysses"])
+def test_restore_onto_context_parallel_mesh(reference, context):
+    """A dp x fsdp x tp checkpoint resumes under sequence sharding (sp=2): the same next loss."""
+    ref_out, ref = reference
+    s = _setup_on(8, "mesh.dp=1", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=2",
+                  f"plan.context={context}")
+    state, meta, _ = _restore(ref_out / "checkpoints", s, 30)
+    assert meta["mesh"]["degrees"]["sp"] == 1 and s.placement.mesh_cfg.sp == 2
+    np.testing.assert_allclose(_next_loss(s, state, 30), ref[30]["loss"], rtol=2e-5)
+
+
 def _restore(directory, setup, step):
     """Restore `step` onto `setup`'s mesh the way `--resume` does: metadata, checks, arrays."""
     ck = ckpt_lib.Checkpointer(directory, setup.cfg.ckpt, read_only=True)

@@ -9,7 +9,9 @@ accumulation loop): a matmul weight is reduce-scattered over `fsdp` at its fsdp-
 then all-reduced over the remaining data axes at its shard size (HSDP); a weight whose gradient
 is a reduction or a scatter-add (RMSNorm scales, the embedding, a router) is all-reduced over
 all data axes at once at its gathered size (XLA reduces, then slices); ZeRO-2/3 nest dp inside
-fsdp's dimension, so their matmul gradients are reduced over (dp, fsdp) as one group. Plus one
+fsdp's dimension, so their matmul gradients are reduced over (dp, fsdp) as one group. Context
+parallelism's `sp` shards hold partial gradients too: XLA reduces them over sp on their own, after
+the other data axes, at the size those left. Plus one
 4-byte all-reduce of the token count (the loss denominator); the other scalar partial sums (loss,
 gradient norm) travel in tuples the census counts as 0 bytes. XLA:CPU emits a reduce-scatter as
 all-reduce + slice (`cpu_kind`); GPUs emit reduce-scatter.
@@ -54,8 +56,9 @@ def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
     from jaxscale.planner.params import leaves
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
-    data = [a for a in ("dp", "fsdp", "ep", "sp") if spec.deg(a) > 1]
-    if not data:
+    data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1]
+    seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
+    if not data and not seq:
         return []
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.stage_layers
@@ -75,8 +78,11 @@ def collectives(spec) -> list[Comm]:
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
         gathered = leaf.local_size(spec, drop=("fsdp",)) * pb * k   # all layers when stacked
         if leaf.use in ("norm", "embedding", "router"):
-            add("all-reduce", replica, gathered, reps,
-                "gradients of norm scales and the embedding, over all data axes at once")
+            if replica:
+                add("all-reduce", replica, gathered, reps,
+                    "gradients of norm scales and the embedding, over all data axes at once")
+            if seq:
+                add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
         rest, size = list(replica), gathered
         if zero >= 2 and "dp" in rest:
@@ -91,13 +97,17 @@ def collectives(spec) -> list[Comm]:
             size /= spec.deg("fsdp")
         if rest:
             add("all-reduce", rest, size, reps, "gradients over the replicas")
+        if seq:
+            add("all-reduce", ["sp"], size, reps, "matmul weight gradients over the sequence "
+                "shards (XLA reduces sp on its own, after the other data axes)")
     out = [Comm(kind, axes, nbytes, count, "; ".join(what[(kind, axes)]),
                 group=_group(spec, axes), cpu_kind="all-reduce" if kind == "reduce-scatter" else "",
                 overlap=True)
            for (kind, axes), (nbytes, count) in acc.items()]
-    scalar_axes = _axes(spec, data)
-    out.append(Comm("all-reduce", scalar_axes, 4, 1, "token count (the loss denominator)",
-                    group=_group(spec, scalar_axes)))
+    scalar_axes = _axes(spec, data)      # the batch arrives whole along the sequence (sp.py)
+    if scalar_axes:
+        out.append(Comm("all-reduce", scalar_axes, 4, 1, "token count (the loss denominator)",
+                        group=_group(spec, scalar_axes)))
     return out
 
 

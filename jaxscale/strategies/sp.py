@@ -1,6 +1,10 @@
 """Sequence and context parallelism: Megatron SP over `tp`, context parallelism over `sp`.
 
-Not available in `train` yet: the planner predicts these plans and `--search` marks them.
+Rules: `norm_seq` (the residual stream's sequence, between the attention and MLP regions) over
+tp with `plan.sequence_parallel`, over sp (then tp) with `mesh.sp > 1`; `seq` (the attention and
+MLP regions) over sp. The attention of a sequence split over sp runs in `kernels/context.py`,
+the method named by `plan.context` (carried to it on the rules, `Rules.context`); the ring's
+zig-zag layout is applied to the batch inside the step (`layout`).
 
 Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
 stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp
@@ -23,10 +27,7 @@ from __future__ import annotations
 from jaxscale.strategies.common import Comm
 
 NAME = "sp"
-AVAILABLE = False
-UNAVAILABLE = ("sequence and context parallelism (mesh.sp={sp}, plan.sequence_parallel) are not "
-               "available yet: set mesh.sp=1 and plan.sequence_parallel=false, and give the "
-               "devices to dp, fsdp or tp")
+AVAILABLE = True
 CONTEXTS = ("ring", "ulysses", "allgather")
 
 
@@ -37,23 +38,57 @@ def active(spec) -> bool:
 def problems(spec) -> list[str]:
     m, sp, t, errs = spec.model, spec.deg("sp"), spec.deg("tp"), []
     if sp > 1:
-        if spec.seq % sp:
-            errs.append(f"data.seq_len={spec.seq} is not divisible by mesh.sp={sp}")
+        if spec.seq % (2 * sp):
+            errs.append(f"context parallelism cuts data.seq_len={spec.seq} into 2 x mesh.sp = "
+                        f"{2 * sp} zig-zag chunks: use a multiple of {2 * sp}")
         if spec.context not in CONTEXTS:
             errs.append(f"plan.context={spec.context!r}: valid are {', '.join(CONTEXTS)}")
         if spec.context == "ulysses" and ((m.n_heads // t) % sp or (m.n_kv_heads // t) % sp):
             errs.append(f"Ulysses attention redistributes heads: the {m.n_heads // t} query and "
                         f"{m.n_kv_heads // t} kv heads per tp rank must be divisible by "
                         f"mesh.sp={sp} (use plan.context=ring)")
-    if spec.sequence_parallel and spec.seq % t:
-        errs.append(f"Megatron sequence parallelism splits data.seq_len={spec.seq} over "
-                    f"mesh.tp={t}: it must divide")
+    if spec.sequence_parallel and t == 1:
+        errs.append("plan.sequence_parallel=true splits the residual stream over mesh.tp, but "
+                    "mesh.tp=1: set mesh.tp > 1, or use mesh.sp for context parallelism")
+    elif spec.sequence_parallel and (spec.seq // sp) % t:
+        errs.append(f"Megatron sequence parallelism splits data.seq_len={spec.seq} "
+                    f"(/ mesh.sp={sp}) over mesh.tp={t}: it must divide")
     return errs
 
 
 def rules(spec, rules) -> None:
-    if spec.deg("sp") > 1:
+    sp = spec.deg("sp") > 1
+    norm = ("sp",) * sp + ("tp",) * bool(spec.sequence_parallel)
+    if norm:
+        rules.add("norm_seq", norm, by="sp")
+    if sp:
         rules.add("seq", "sp", by="sp")
+        rules.context = spec.context
+
+
+def batch_layout(spec):
+    """None without context parallelism; else the step's view of a batch: every [B, T] array
+    permuted into the zig-zag layout (shard r holds chunks r and 2sp-1-r of 2sp: equal causal
+    work), plus `positions`, the true position of each token (RoPE). Permuting the batch before
+    it is split over sp moves no data: the step receives it whole along the sequence
+    (`batch_seq_axis`) and each device keeps its chunks."""
+    if spec.deg("sp") == 1:
+        return None
+    import jax.numpy as jnp
+    from jaxscale.kernels.context import layout_permutation
+    perm = layout_permutation(spec.seq, spec.deg("sp"))
+
+    def apply(batch: dict) -> dict:
+        out = {key: x[:, perm] for key, x in batch.items()}
+        out["positions"] = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), out["inputs"].shape)
+        return out
+    return apply
+
+
+def batch_seq_axis(spec) -> str | None:
+    """The logical name of the input batch's sequence dimension: whole (None) under context
+    parallelism, whose layout the step applies first; `seq` otherwise."""
+    return None if spec.deg("sp") > 1 else "seq"
 
 
 def collectives(spec) -> list[Comm]:

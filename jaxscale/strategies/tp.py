@@ -61,20 +61,26 @@ def collectives(spec) -> list[Comm]:
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
     fwd, bwd = (2 + redo) * L * k, 5 * L * k
     stats = 3 * spec.micro_batch * spec.local_seq * 4 * k
-    if spec.sequence_parallel:
-        rows = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd), "block outputs, forward",
-                     group=t),
-                Comm("all-gather", ("tp",), fwd * act, int(fwd), "block inputs, forward", group=t),
-                Comm("reduce-scatter", ("tp",), bwd * act, int(bwd),
-                     "input gradients of q, k, v, gate, up, backward", group=t),
-                Comm("all-gather", ("tp",), 2 * L * k * act, int(2 * L * k),
-                     "norm outputs for the weight gradients, backward", group=t)]
+    if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
+        rs = dict(group=t, cpu_kind="all-reduce")
+        rows = [Comm("reduce-scatter", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
+                     f"block outputs ({2 + redo} forward) and input gradients of q, k, v, gate, "
+                     f"up (5 backward) per layer", **rs),
+                Comm("all-gather", ("tp",), 6 * L * k * act, 6 * L * k,
+                     "norm outputs into the attention and MLP (2 forward), their output "
+                     "gradients and the norm outputs again for the weight gradients (4 backward) "
+                     "per layer (a rematerialised forward's gathers take the place of the "
+                     "latter)", group=t),
+                Comm("all-gather", ("tp",), 2 * act * k, 2 * k,
+                     "final norm output into the LM head, forward and backward", group=t),
+                Comm("reduce-scatter", ("tp",), 2 * act * k, 2 * k,
+                     "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
     else:
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
                      f"block activations: {2 + redo} forward + 5 backward per layer", group=t,
-                     minimum=(fwd + 2 * L * k) * act)]
-    rows.append(Comm("all-reduce", ("tp",), 2 * act * k, 2 * k,
-                     "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t))
+                     minimum=(fwd + 2 * L * k) * act),
+                Comm("all-reduce", ("tp",), 2 * act * k, 2 * k,
+                     "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t)]
     rows.append(Comm("all-reduce", ("tp",), stats, 3 * k,
                      "softmax max, sum and target logit over the vocabulary", group=t))
     return rows

@@ -1,0 +1,88 @@
+"""Sequence and context parallelism in the model: Megatron SP over tp, ring / Ulysses / all-gather
+attention over sp, alone and with dp, fsdp, tp, remat and accumulation, give one device's losses
+and gradients; their collectives are the planner's; bad plans are refused by name.
+(The attention functions themselves: tests/test_context_attention.py.)"""
+import jax
+import numpy as np
+import pytest
+
+from jaxscale import compiled, plan, planner
+from jaxscale.planner import validate
+from tests.helpers import MESH_1, tiny_config
+from tests.test_parallel import _trajectory
+
+KV8 = ("model.n_kv_heads=8",)
+PLANS = {
+    "megatron-sp fsdp2 tp4": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4",
+                              "plan.sequence_parallel=true"),
+    "ring dp2 sp2 tp2": ("mesh.dp=2", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=2",
+                         "plan.context=ring"),
+    "ring+megatron sp2 tp4 remat": ("mesh.dp=1", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=4",
+                                    "plan.context=ring", "plan.sequence_parallel=true",
+                                    "plan.remat=full"),
+    "ulysses fsdp2 sp4": ("mesh.dp=1", "mesh.fsdp=2", "mesh.sp=4", "mesh.tp=1",
+                          "plan.context=ulysses"),
+    "allgather dp2 sp4 acc2": ("mesh.dp=2", "mesh.fsdp=1", "mesh.sp=4", "mesh.tp=1",
+                               "plan.context=allgather", "plan.accumulate=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _trajectory(tiny_config(*MESH_1, *KV8), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plan_matches_single_device(name, reference):
+    losses, grads, params = _trajectory(tiny_config(*PLANS[name], *KV8), jax.devices())
+    ref_losses, ref_grads, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+            assert np.abs(a - b).max() / (np.abs(b).max() + 1e-12) < 1e-4
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("name, kind, per_layer", [
+    ("ring dp2 sp2 tp2", "collective-permute", 3),       # 3 (sp - 1) K/V block hops per layer
+    ("ulysses fsdp2 sp4", "all-to-all", 8),              # q, k, v, out; forward and backward
+    ("allgather dp2 sp4 acc2", "all-gather", 1),         # and one reduce-scatter of dK/dV
+])
+def test_census_matches_the_planner(name, kind, per_layer):
+    cfg = tiny_config(*PLANS[name], *KV8)
+    rep = compiled.report(cfg)
+    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    for r in cmp["collectives"]:
+        assert r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.02, r
+    sp, L, k = cfg.mesh.sp, cfg.model.n_layers, cfg.plan.accumulate
+    rows = [c for c in rep["collectives"] if c["kind"] == kind and c["axes"] == ["sp"]]
+    hops = (sp - 1) if kind == "collective-permute" else 1
+    assert sum(c["count"] for c in rows) == per_layer * hops * L * k, rows
+
+
+def test_megatron_sp_turns_tp_all_reduces_into_gathers_and_shrinks_temp():
+    tp = tiny_config("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", *KV8)
+    sp = tiny_config(*PLANS["megatron-sp fsdp2 tp4"], *KV8)
+    a, b = compiled.report(tp), compiled.report(sp)
+    gathers = lambda rep: sum(c["count"] for c in rep["collectives"]  # noqa: E731
+                              if c["kind"] == "all-gather" and c["axes"] == ["tp"])
+    assert gathers(a) == 0 and gathers(b) == 6 * sp.model.n_layers + 2
+    assert b["memory"]["temp"] < a["memory"]["temp"]
+    pa, pb = planner.predict(tp).memory, planner.predict(sp).memory
+    assert pb.activations < pa.activations
+
+
+@pytest.mark.parametrize("overrides, msg", [
+    (("mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1", "plan.sequence_parallel=true"),
+     "plan.sequence_parallel=true splits the residual stream over mesh.tp, but mesh.tp=1"),
+    (("mesh.dp=1", "mesh.fsdp=2", "mesh.sp=4", "mesh.tp=1", "data.seq_len=36"),
+     "cuts data.seq_len=36 into 2 x mesh.sp = 8 zig-zag chunks: use a multiple of 8"),
+    (("mesh.dp=1", "mesh.fsdp=1", "mesh.sp=8", "mesh.tp=1", "plan.context=ulysses"),
+     "the 8 query and 4 kv heads per tp rank must be divisible by mesh.sp=8"),
+    (("mesh.dp=1", "mesh.fsdp=4", "mesh.sp=2", "mesh.tp=1", "plan.context=striped"),
+     "plan.context"),
+])
+def test_bad_plans_are_refused_by_name(overrides, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        plan.validate(tiny_config(*overrides), 8)
