@@ -1,4 +1,5 @@
-"""Everything GPU-side in one call, for a session that is lent a GPU (under 9 minutes on an H200).
+"""Everything GPU-side in one call, for a session that is lent a GPU (under 9.5 minutes on an
+H200: the stages' limits add up to 570 s).
 
     python -m benchmarks.gpu_check                       # on the GPU machine (no install needed:
                                                          # PYTHONPATH=. works as well)
@@ -14,7 +15,11 @@ the next one runs):
    stage 1, and the goal of issue 12, PASS or FAIL: the device total falls by >= 80% of the
    offloaded bytes (`host_argument`; the planner predicts 100%: `jaxscale plan`);
 3. `step`: `benchmarks.gpu_step` (jaxscale vs torch.compile, tokens/s, MFU);
-4. `attention`: `experiments/gpu_flash_bench.py` at head_dim 128, seq 8k (Pallas vs cuDNN).
+4. `tune`: `experiments/gpu_flash_bench.py --tune` at head_dim 128: the Pallas tile, warp and
+   stage sweep, written to `tune/flash_tuning.json` (copy it over
+   `jaxscale/kernels/flash_tuning.json` to keep it);
+5. `attention`: `experiments/gpu_flash_bench.py` at head_dim 128, seq 8k (Pallas vs cuDNN), with
+   the table stage 4 wrote (`JAXSCALE_FLASH_TUNING`).
 Writes `summary.md` and `summary.json` (date, device, versions, every stage's result) to --out.
 """
 from __future__ import annotations
@@ -53,18 +58,23 @@ def stages(args) -> list[tuple[str, list[str], float]]:
     attn = [py, str(ROOT / "experiments" / "gpu_flash_bench.py"), "--out", str(out / "attention"),
             "--head-dims", "128", "--seqs", "256" if args.tiny else "8192",
             "--time-budget", "40" if args.tiny else "120"]
+    tune = [py, str(ROOT / "experiments" / "gpu_flash_bench.py"), "--tune", "--head-dims", "128",
+            "--out", str(out / "tune")]
     if args.allow_cpu:
         attn.append("--allow-cpu")
-    return [("inspect", inspect, 150.0),
-            ("offload", inspect[:-1] + ["--set", "plan.offload=optimizer+master", "--json"], 150.0),
+        tune += ["--allow-cpu", "--tiny"]
+    return [("inspect", inspect, 100.0),
+            ("offload", inspect[:-1] + ["--set", "plan.offload=optimizer+master", "--json"], 100.0),
             ("step", step, 150.0),
-            ("attention", attn, 130.0)]
+            ("tune", tune, 120.0),
+            ("attention", attn, 100.0)]
 
 
-def run_stage(name: str, cmd: list[str], limit: float, log: Path) -> dict:
+def run_stage(name: str, cmd: list[str], limit: float, log: Path, **env_extra: str) -> dict:
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        **env_extra)
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit, env=env)
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
@@ -120,7 +130,7 @@ def summarise(results: dict) -> list[str]:
                          f"= {o['fraction']:.0%} of the offloaded bytes (goal >= 80%): "
                          + ("PASS" if o["pass"] else "FAIL" if o["host_mib"] else
                             "n/a (no host memory reported: XLA:CPU keeps one memory)"))
-    for name in ("step", "attention"):
+    for name in ("step", "tune", "attention"):
         r = results.get(name)
         if r:
             tail = [ln for ln in r["stdout"].strip().splitlines() if ln.strip()][-8:]
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/gpu_check")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (with --allow-cpu)")
-    ap.add_argument("--only", help="comma list of stages: inspect,offload,step,attention")
+    ap.add_argument("--only", help="comma list of stages: inspect,offload,step,tune,attention")
     args = ap.parse_args(argv)
     import shutil
 
@@ -149,7 +159,10 @@ def main(argv=None) -> int:
         if wanted and name not in wanted:
             continue
         print(f"[{name}] {' '.join(cmd)}", flush=True)
-        results[name] = run_stage(name, cmd, limit, out / f"{name}.log")
+        table = out / "tune" / "flash_tuning.json"
+        extra = {"JAXSCALE_FLASH_TUNING": str(table)} if name == "attention" and \
+            table.exists() else {}
+        results[name] = run_stage(name, cmd, limit, out / f"{name}.log", **extra)
         print(f"[{name}] rc {results[name]['rc']} in {results[name]['seconds']} s", flush=True)
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip() \

@@ -56,8 +56,9 @@ def test_xla_gpu_flag_preset_is_accepted_by_xla():
 def test_gpu_check_runs_its_stages_on_cpu(tmp_path):
     """The one-call GPU job (`benchmarks/gpu_check.py`), smoke-tested on CPU with tiny shapes."""
     from jaxscale.benchmarks import gpu_check
-    assert gpu_check.main(["--allow-cpu", "--tiny", "--only", "inspect", "--out",
+    assert gpu_check.main(["--allow-cpu", "--tiny", "--only", "inspect,tune", "--out",
                            str(tmp_path)]) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert "the model formula" in summary and "device total" in summary
+    assert "- tune (rc 0" in summary and "table written to" in summary
     assert (tmp_path / "inspect.log").exists() and (tmp_path / "summary.json").exists()
