@@ -13,6 +13,7 @@ from tests.test_parallel import _trajectory
 
 KV8 = ("model.n_kv_heads=8",)
 PLANS = {
+    "ring sp8": ("mesh.dp=1", "mesh.fsdp=1", "mesh.sp=8", "mesh.tp=1", "plan.context=ring"),
     "megatron-sp fsdp2 tp4": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4",
                               "plan.sequence_parallel=true"),
     "ring dp2 sp2 tp2": ("mesh.dp=2", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=2",
