@@ -16,8 +16,8 @@ PLANS = {
     "ring sp8": ("mesh.dp=1", "mesh.fsdp=1", "mesh.sp=8", "mesh.tp=1", "plan.context=ring"),
     "megatron-sp fsdp2 tp4": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4",
                               "plan.sequence_parallel=true"),
-    "ring dp2 sp2 tp2": ("mesh.dp=2", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=2",
-                         "plan.context=ring"),
+    "ring dp2 sp2 tp2 zero1": ("mesh.dp=2", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=2",
+                               "plan.context=ring", "plan.zero=1"),
     "ring+megatron sp2 tp4 remat": ("mesh.dp=1", "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=4",
                                     "plan.context=ring", "plan.sequence_parallel=true",
                                     "plan.remat=full"),
@@ -45,8 +45,16 @@ def test_plan_matches_single_device(name, reference):
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+def test_bf16_ring_and_ulysses_track_one_bf16_device():
+    bf16 = ("plan.precision=bf16", *KV8)
+    ref = _trajectory(tiny_config(*MESH_1, *bf16), jax.devices()[:1])[0]
+    for ov in (PLANS["ring sp8"], PLANS["ulysses fsdp2 sp4"]):
+        losses = _trajectory(tiny_config(*ov, *bf16), jax.devices())[0]
+        np.testing.assert_allclose(losses, ref, rtol=2e-2)
+
+
 @pytest.mark.parametrize("name, kind, per_layer", [
-    ("ring dp2 sp2 tp2", "collective-permute", 3),       # 3 (sp - 1) K/V block hops per layer
+    ("ring dp2 sp2 tp2 zero1", "collective-permute", 3),       # 3 (sp - 1) K/V block hops per layer
     ("ulysses fsdp2 sp4", "all-to-all", 8),              # q, k, v, out; forward and backward
     ("allgather dp2 sp4 acc2", "all-gather", 1),         # and one reduce-scatter of dK/dV
 ])
