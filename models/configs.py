@@ -17,6 +17,9 @@ CONFIGS: dict[str, ModelConfig] = {
                               ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0),
     "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
                                n_kv_heads=8, ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0),
+    # the tiny model with 8 experts (top-2) in every layer: 5.0M parameters, 1.5M active
+    "tiny-moe": ModelConfig(vocab_size=320, dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
+                            ffn_dim=384, max_seq_len=1024, moe_experts=8, moe_top_k=2),
     # 46,702,792,704 parameters, 12,879,925,248 active (2 of 8 experts per token)
     "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, moe_experts=8,

@@ -69,10 +69,30 @@ class ModelConfig:
     moe_experts: int = nonneg(0)      # 0: dense MLP; E: a Mixtral-style mixture of E experts
     moe_top_k: int = positive(2)      # experts per token
     capacity_factor: float = positive(1.25)   # expert capacity = factor x tokens x top_k / E
+    moe_every: int = positive(1)      # every n-th layer is a mixture (layers n-1, 2n-1, ...)
+    moe_dropless: bool = False        # no capacity: every token reaches its experts (models/moe.py)
+    moe_aux_weight: float = nonneg(0.01)     # Switch load-balancing loss weight
+    moe_z_weight: float = nonneg(0.001)      # router z-loss weight
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (from 0) is a mixture of experts: every `moe_every`-th layer."""
+        return bool(self.moe_experts) and (i + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.moe_experts else 0
+
+    def moe_capacity(self, seq_len: int) -> int:
+        """Slots per expert and sequence: ceil(capacity_factor x T x top_k / E), at most T (an
+        expert takes a token at most once); T when dropless (the worst case: none can overflow)."""
+        if self.moe_dropless:
+            return seq_len
+        c = math.ceil(self.capacity_factor * seq_len * self.moe_top_k / self.moe_experts - 1e-9)
+        return max(1, min(seq_len, c))
 
     def relations(self) -> list[str]:
         """The checks relating fields (each field's own range is declared above)."""
@@ -89,6 +109,13 @@ class ModelConfig:
             errs.append(f"model.moe_experts={self.moe_experts}, model.moe_top_k="
                         f"{self.moe_top_k}: give 0 experts (dense) or top_k between 1 and "
                         f"the expert count")
+        if self.moe_experts and self.moe_every > 1 and self.scan_layers:
+            errs.append(f"model.moe_every={self.moe_every} mixes dense and expert layers, but "
+                        f"model.scan_layers=true scans one identical layer: set "
+                        f"model.scan_layers=false or model.moe_every=1")
+        if self.moe_experts and self.moe_every > self.n_layers:
+            errs.append(f"model.moe_every={self.moe_every} > model.n_layers={self.n_layers}: "
+                        f"no layer would be a mixture of experts")
         return errs
 
     def validate(self) -> "ModelConfig":
@@ -103,10 +130,12 @@ class ModelConfig:
         those a token passes through (a mixture of experts counts its top_k experts)."""
         d, f, hd, E = self.dim, self.ffn_dim, self.hd, self.moe_experts
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * d * f if not E else (self.moe_top_k if active else E) * 3 * d * f + d * E
-        block = attn + mlp + 2 * d
+        dense = 3 * d * f
+        moe = (self.moe_top_k if active else E) * 3 * d * f + d * E
+        L, Lm = self.n_layers, self.n_moe_layers
+        blocks = L * (attn + 2 * d) + (L - Lm) * dense + Lm * moe
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * block + d + head
+        return self.vocab_size * d + blocks + d + head
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: 6 x (non-embedding matmul params + head, active experts
@@ -266,20 +295,29 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Attention then a feed-forward block: the dense SwiGLU MLP, or with `moe` a mixture of
+    experts (`models/moe.py`). Returns (x, router statistics: {} for a dense block)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if moe:
+            from jaxscale.models.moe import MoE
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
+        self.moe = moe
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
         h = checkpoint_name(self.attn_norm(x_BTD), "attn_norm")
         x_BTD = x_BTD + self.attn(h, positions_BT, segment_ids_BT, inv_freq)
         x_BTD = constrain(x_BTD, "batch", "norm_seq", "embed")
         h = checkpoint_name(self.mlp_norm(x_BTD), "mlp_norm")
-        x_BTD = x_BTD + self.mlp(h)
-        return constrain(x_BTD, "batch", "norm_seq", "embed")
+        out, stats = self.mlp(h) if self.moe else (self.mlp(h), {})
+        x_BTD = x_BTD + out
+        return constrain(x_BTD, "batch", "norm_seq", "embed"), stats
 
 
 class Llama(nnx.Module):
@@ -291,19 +329,21 @@ class Llama(nnx.Module):
         if cfg.scan_layers:
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make(r):
-                return Block(cfg, rngs=r)
+            def make(r):          # one identical layer, stacked (validate: moe_every=1 if MoE)
+                return Block(cfg, rngs=r, moe=cfg.is_moe_layer(0))
             self.layers = make(rngs)
         else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.layers = nnx.List([Block(cfg, rngs=rngs, moe=cfg.is_moe_layer(i))
+                                    for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pd,
                                1.0 / math.sqrt(cfg.dim))
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
-                 block_wrapper: Callable | None = None):
-        """tokens [B, T] int -> logits [B, T, vocab] in float32."""
+                 block_wrapper: Callable | None = None, return_aux: bool = False):
+        """tokens [B, T] int -> logits [B, T, vocab] in float32; with `return_aux`, (logits,
+        the mixture-of-experts statistics of `moe.summarise`: {} for a dense model)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         B, T = tokens_BT.shape
@@ -323,12 +363,21 @@ class Llama(nnx.Module):
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             body = wrap(lambda x, st: block_fn(x, st, graphdef))
-            x, _ = jax.lax.scan(lambda c, st: (body(c, st), None), x, state)
+            x, stats = jax.lax.scan(body, x, state)       # stats: each leaf stacked [L, ...]
+            stats = [stats] if stats else []
         else:
+            stats = []
             for blk in self.layers:
                 graphdef, state = nnx.split(blk)
-                x = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x, state)
+                x, st = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x, state)
+                stats += [jax.tree.map(lambda a: a[None], st)] if st else []
         x = self.norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, "batch", "seq", "vocab")
+        logits = constrain(logits, "batch", "seq", "vocab")
+        if not return_aux:
+            return logits
+        if not stats:
+            return logits, {}
+        from jaxscale.models.moe import summarise
+        return logits, summarise(jax.tree.map(lambda *a: jnp.concatenate(a), *stats))

@@ -64,7 +64,7 @@ class Tensor:
     name: str
     per_token: float          # elements per token (for scores: H * s)
     itemsize: int
-    region: str               # res | tp | scores
+    region: str               # res | tp | scores | moe
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,22 @@ class Split:
         return f
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts in `share` of the layers: E experts, k per token, `rows` expert MLP
+    rows per token (`jaxscale.strategies.ep.expert_rows`: capacity slots, padding included)."""
+    n: int
+    k: int
+    rows: float
+    share: float = 1.0
+
+
 def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "xla",
-                  moe_top_k: int = 0) -> list[Tensor]:
-    """The per-layer saved tensors (no remat) of the table in the module docstring."""
+                  experts: Experts | None = None) -> list[Tensor]:
+    """The per-layer saved tensors (no remat) of the table in the module docstring; with
+    `experts`, averaged over the dense and MoE layers (`moe_tensors`)."""
     m, b = model, compute_itemsize
-    ffn = m.ffn_dim * (moe_top_k or 1)
+    ffn = m.ffn_dim * mlp_rows(experts)
     out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm", m.dim, b, "res"), Tensor("q", m.n_heads * m.hd, b, "tp"),
            Tensor("k", m.n_kv_heads * m.hd, b, "tp"), Tensor("v", m.n_kv_heads * m.hd, b, "tp")]
     if attention == "xla":
@@ -97,7 +108,28 @@ def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "
             Tensor("silu chain x3", 3 * ffn, b, "tp"), Tensor("mlp_hidden", ffn, b, "tp"),
             Tensor("norm statistics", 2, 4, "res"),
             Tensor("softmax statistics", (4 if attention == "xla" else 1) * m.n_heads, 4, "tp")]
-    return out
+    return out + (moe_tensors(model, b, experts) if experts else [])
+
+
+def mlp_rows(experts: Experts | None) -> float:
+    """MLP rows per token, averaged over the layers (1 for a dense model)."""
+    return 1.0 if experts is None else (1 - experts.share) + experts.share * experts.rows
+
+
+def moe_tensors(model, compute_itemsize: int, e: Experts) -> list[Tensor]:
+    """What a MoE layer saves besides its experts' MLP tensors (read from the forward loop of
+    the compiled step, `models/moe.py`): the router's logits and probabilities (fp32) and two
+    [E] masks of the top-k rounds, the scatter / gather indices (3 int32 per assignment, twice),
+    the top-k weights and keep masks, the dispatched slot buffer (R rows of dim) the experts
+    read, and each assignment's expert output gathered back (k rows of dim) for the weights'
+    gradient. Replicated over tp (only `mlp` is split there); x `share` of the layers."""
+    b, d, s = compute_itemsize, model.dim, e.share
+    return [Tensor("router logits, probabilities", 2 * e.n * s, 4, "moe"),
+            Tensor("router top-k masks", 2 * e.n * s, 1, "moe"),
+            Tensor("slot indices", 6 * e.k * s, 4, "moe"),
+            Tensor("top-k weights, keep", 2 * e.k * s, 4, "moe"),
+            Tensor("expert slot buffer", e.rows * d * s, b, "moe"),
+            Tensor("expert outputs per choice", e.k * d * s, b, "moe")]
 
 
 @dataclass(frozen=True)
@@ -111,10 +143,10 @@ class LayerActivations:
 
 def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int, split: Split,
                       remat: str = "none", attention: str = "xla",
-                      moe_top_k: int = 0) -> LayerActivations:
+                      experts: Experts | None = None) -> LayerActivations:
     """Bytes per layer per device for `tokens` local tokens (micro-batch x seq_len)."""
     full = {t.name: tokens * t.per_token * t.itemsize * split.factor(t.region)
-            for t in block_tensors(model, seq_len, compute_itemsize, attention, moe_top_k)}
+            for t in block_tensors(model, seq_len, compute_itemsize, attention, experts)}
     total = sum(full.values())
     if remat in ("none", ""):
         return LayerActivations(total, 0.0, 0.0, 0.0, full)
@@ -123,7 +155,8 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
     saved, host = {"x": x}, 0.0
     for tag, how in policy.items():
         size_fn, region = _TAG_SIZES[tag]
-        nbytes = tokens * size_fn(model) * compute_itemsize * split.factor(region)
+        rows = mlp_rows(experts) if tag.startswith("mlp_") and tag != "mlp_norm" else 1.0
+        nbytes = tokens * size_fn(model) * rows * compute_itemsize * split.factor(region)
         if how == "save":
             saved[tag] = nbytes
         elif how == "offload":
@@ -145,4 +178,13 @@ def of_spec(spec, remat: str | None = None) -> LayerActivations:
     return layer_activations(spec.model, spec.seq, spec.micro_batch * spec.local_seq,
                              spec.compute_itemsize, split(spec),
                              spec.remat if remat is None else remat, spec.attention,
-                             spec.model.moe_top_k if spec.moe else 0)
+                             experts(spec))
+
+
+def experts(spec) -> Experts | None:
+    """The mixture of experts of `spec`'s model, as the activation table needs it."""
+    if not spec.moe:
+        return None
+    from jaxscale.strategies.ep import expert_rows
+    m = spec.model
+    return Experts(m.moe_experts, m.moe_top_k, expert_rows(spec), m.n_moe_layers / m.n_layers)

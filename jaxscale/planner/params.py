@@ -47,7 +47,7 @@ def leaves(model) -> list[Leaf]:
     """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when scanned)."""
     d, f, hd, H, K, V = (model.dim, model.ffn_dim, model.hd, model.n_heads, model.n_kv_heads,
                          model.vocab_size)
-    per_layer = [
+    attn = [
         ("attn_norm/scale", (d,), ("embed",), "norm"),
         ("attn/wq", (d, H, hd), ("embed", "heads", "head_dim"), "dot"),
         ("attn/wk", (d, K, hd), ("embed", "kv_heads", "head_dim"), "dot"),
@@ -55,23 +55,24 @@ def leaves(model) -> list[Leaf]:
         ("attn/wo", (H, hd, d), ("heads", "head_dim", "embed"), "dot"),
         ("mlp_norm/scale", (d,), ("embed",), "norm"),
     ]
-    if not getattr(model, "moe_experts", 0):
-        per_layer += [("mlp/w_gate", (d, f), ("embed", "mlp"), "dot"),
-                      ("mlp/w_up", (d, f), ("embed", "mlp"), "dot"),
-                      ("mlp/w_down", (f, d), ("mlp", "embed"), "dot")]
-    else:
-        E = model.moe_experts
-        per_layer += [("mlp/router", (d, E), ("embed", None), "router"),
-                      ("mlp/w_gate", (E, d, f), ("experts", "embed", "mlp"), "dot"),
-                      ("mlp/w_up", (E, d, f), ("experts", "embed", "mlp"), "dot"),
-                      ("mlp/w_down", (E, f, d), ("experts", "mlp", "embed"), "dot")]
+    dense = [("mlp/w_gate", (d, f), ("embed", "mlp"), "dot"),
+             ("mlp/w_up", (d, f), ("embed", "mlp"), "dot"),
+             ("mlp/w_down", (f, d), ("mlp", "embed"), "dot")]
+    E = getattr(model, "moe_experts", 0)
+    experts = [("mlp/router", (d, E), ("embed", None), "router"),
+               ("mlp/w_gate", (E, d, f), ("experts", "embed", "mlp"), "dot"),
+               ("mlp/w_up", (E, d, f), ("experts", "embed", "mlp"), "dot"),
+               ("mlp/w_down", (E, f, d), ("experts", "mlp", "embed"), "dot")]
+
+    def layer(i):            # a mixture of experts in every moe_every-th layer (models/moe.py)
+        return attn + (experts if E and model.is_moe_layer(i) else dense)
     out = [Leaf("embed", (V, d), ("vocab", "embed"), "embedding")]
-    if model.scan_layers:
+    if model.scan_layers:        # identical layers (ModelConfig.relations: moe_every = 1)
         out += [Leaf(f"layers/{p}", (model.n_layers,) + s, ("layers",) + a, u)
-                for p, s, a, u in per_layer]
+                for p, s, a, u in layer(0)]
     else:
         out += [Leaf(f"layers/{i}/{p}", s, a, u)
-                for i in range(model.n_layers) for p, s, a, u in per_layer]
+                for i in range(model.n_layers) for p, s, a, u in layer(i)]
     out.append(Leaf("norm/scale", (d,), ("embed",), "norm"))
     if not model.tie_embeddings:
         out.append(Leaf("head", (d, V), ("embed", "vocab"), "dot"))
@@ -87,7 +88,7 @@ def active_count(model) -> int:
     """Parameters a token passes through (MoE: top_k of the experts)."""
     if not getattr(model, "moe_experts", 0):
         return count(model)
-    expert = 3 * model.dim * model.ffn_dim * model.n_layers
+    expert = 3 * model.dim * model.ffn_dim * model.n_moe_layers
     return count(model) - (model.moe_experts - model.moe_top_k) * expert
 
 
@@ -112,7 +113,9 @@ def shards(spec) -> Shards:
     per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / max(
         1, math.ceil(model.n_layers / spec.deg("pp")))
     if not model.scan_layers:
-        per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.path.startswith("layers/0/"))
+        per_layer = max(sum(g for g, leaf in zip(gathered, ls)      # the largest layer
+                            if leaf.path.startswith(f"layers/{i}/"))
+                        for i in range(model.n_layers))
     return Shards(
         params=local / zero.shard_factor(spec, "params"),
         grads=local / zero.shard_factor(spec, "grads"),

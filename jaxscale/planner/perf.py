@@ -1,7 +1,8 @@
 """FLOPs per step, predicted step time and MFU on a hardware profile.
 
 FLOPs (matmuls; 2 per multiply-add). Per token and layer, forward: 2 h (H + 2K) hd for q, k, v,
-2 H hd h for the output projection, 6 h f for SwiGLU (MoE: top_k experts plus a 2 h E router),
+2 H hd h for the output projection, 6 h f for SwiGLU (MoE: 6 h f per expert row, the slots of
+its capacity buffer padding included, plus a 2 h E router; `moe_rows`),
 and the attention core QK^T and PV, 4 s H hd: the `xla` attention computes the masked half too,
 a fused kernel skips it (causal: half) and its backward recomputes QK^T (2.5x its forward,
 FlashAttention-2). Plus the LM head 2 h V, and for a small vocabulary the embedding gradient's
@@ -41,12 +42,16 @@ from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
 
 
-def layer_flops_per_token(model, seq_len: int, causal_kernel: bool) -> dict:
-    """Forward matmul FLOPs per token of one block, by part."""
+def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows: float = 0.0,
+                          moe_share: float = 1.0) -> dict:
+    """Forward matmul FLOPs per token of one block, by part; a mixture of experts computes
+    `expert_rows` expert MLP rows per token (`ep.expert_rows`: the slots of its capacity buffer,
+    padding included) plus the router, in `moe_share` of the layers (the rest are dense)."""
     d, hd, H, K, f, E = (model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim,
                          model.moe_experts)
     attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)
-    mlp = 6 * d * f * (model.moe_top_k if E else 1) + 2 * d * E
+    share = moe_share if E else 0.0
+    mlp = 6 * d * f * ((1 - share) + share * (expert_rows or model.moe_top_k)) + 2 * d * E * share
     return {"q_proj": 2 * d * H * hd, "k_proj": 2 * d * K * hd, "v_proj": 2 * d * K * hd,
             "o_proj": 2 * H * hd * d, "attention": attn_core,
             "mlp_gate": mlp / 3, "mlp_up": mlp / 3, "mlp_down": mlp / 3}
@@ -58,7 +63,8 @@ def recompute_per_token(parts: dict, remat: str) -> float:
     Replayed: the q, k, v, gate and up projections whose tags are not kept; the attention-output
     projection unless `o_proj` is kept (its output rebuilds the residual the MLP norm needs);
     QK^T always (no policy keeps the probabilities) and PV unless `attn_out` is kept. Never the
-    MLP-down projection: its output only feeds the residual, so XLA drops its replay."""
+    dense MLP-down projection: its output only feeds the residual, so XLA drops its replay (a
+    MoE layer's is replayed: `flops` adds it)."""
     if remat in ("none", ""):
         return 0.0
     policy = actions(remat)
@@ -82,18 +88,38 @@ class Flops:
 def flops(spec) -> Flops:
     m = spec.model
     causal_kernel = spec.attention != "xla"
-    parts = layer_flops_per_token(m, spec.seq, causal_kernel)
+    parts = layer_flops_per_token(m, spec.seq, causal_kernel, *moe_rows(spec))
     per_layer = sum(parts.values())
     head = 2 * m.dim * m.vocab_size
     tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp"))
     t, p = spec.deg("tp"), spec.deg("pp")
     fwd = tokens * (per_layer * spec.stage_layers + head / p) / t
     rec = tokens * recompute_per_token(parts, spec.remat) * spec.stage_layers / t
+    rows, share = moe_rows(spec)
+    if share and actions(spec.remat)["mlp_down"] == "remat":
+        # a MoE layer's down projection (and the router's last third) is replayed too: the
+        # combine's backward needs every expert output (`jaxscale.strategies.ep`)
+        down = 2 * m.dim * m.ffn_dim * rows + 2 * m.dim * m.moe_experts / 3
+        rec += tokens * down * share * spec.stage_layers / t
     model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
         rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t
     return Flops(3 * fwd + rec + embedding_gradient(spec, tokens), fwd, rec,
                  model_tok * spec.batch * spec.seq / spec.n_devices)
+
+
+def moe_rows(spec) -> tuple[float, float]:
+    """(expert MLP rows computed per token, fraction of MoE layers) as the compiled step does it:
+    `ep.expert_rows`, except that dropless without ep on a CPU runs `jax.lax.ragged_dot`'s
+    reference lowering, a dense matmul of every row with every expert (E k rows per token)."""
+    from jaxscale.strategies import ep
+    m = spec.model
+    if not spec.moe:
+        return 0.0, 0.0
+    rows = ep.expert_rows(spec)
+    if m.moe_dropless and spec.deg("ep") == 1 and spec.device_kind == "cpu":
+        rows *= m.moe_experts
+    return rows, m.n_moe_layers / m.n_layers
 
 
 def embedding_gradient(spec, tokens: float) -> float:

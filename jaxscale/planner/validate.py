@@ -21,10 +21,14 @@ def comm_rows(pred, census: list[dict], backend: str = "cpu") -> list[dict]:
     """The collectives of `pred` against the census: `jaxscale.compiled.theory_vs_census` (the
     one comparison `inspect` prints too), with `predicted` / `compiled` bytes and their ratio."""
     from jaxscale.compiled import theory_vs_census
+    def ratio(r):
+        if not r["census_bytes"]:        # scalar partial sums in tuples count 0 bytes on both
+            return 1.0 if not r["theory_bytes"] else None     # sides (e.g. the gradient norm
+        return r["theory_bytes"] / r["census_bytes"]          # over ep): nothing to compare
     return [{"kind": r["kind"], "axes": r["axes"], "predicted": r["theory_bytes"],
-             "compiled": r["census_bytes"],
-             "ratio": r["theory_bytes"] / r["census_bytes"] if r["census_bytes"] else None,
-             "what": r["what"], "note": r["note"]}
+             "compiled": r["census_bytes"], "ratio": ratio(r),
+             "what": r["what"] or ("scalar partial sums only" if not r["census_bytes"] else ""),
+             "note": r["note"]}
             for r in theory_vs_census(pred.collectives, census, backend)]
 
 
@@ -86,6 +90,25 @@ PLANS = {
 }
 SMALL = ("model.dim=256", "model.ffn_dim=768", "model.n_layers=4", "data.seq_len=64",
          "data.batch_size=16")
+#: mixture-of-experts plans (8 experts, top-2, capacity factor 1.25 unless dropless): expert
+#: parallelism with the data axes, tp, remat, bf16, accumulation and ZeRO-1; dropless under ep
+#: (the worst-case buffer) and without it over dp (sorted, ragged); `moe` is added to each name
+MOE = {
+    "dp2xep4": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4"),
+    "fsdp2xep2xtp2": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"),
+    "ep8 dropless": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=8",
+                     "model.moe_dropless=true"),
+    "dp8 dropless": (*PLANS["dp8"], "model.moe_dropless=true"),
+    "dp2xep4 remat=full": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4",
+                           "plan.remat=full"),
+    "ep4xtp2 remat=full": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=2", "mesh.ep=4",
+                           "plan.remat=full"),
+    "dp2xep4 bf16": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4",
+                     "plan.precision=bf16"),
+    "fsdp2xep4 acc2": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=1", "mesh.ep=4",
+                       "plan.accumulate=2", "data.batch_size=16"),
+    "dp2xep4 zero1": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4", "plan.zero=1"),
+}
 #: name -> overrides on top of `tiny_config()`: every plan the planner is checked against the
 #: compiler on (`experiments/planner_validation.py`); extend as strategies land.
 CASES: dict[str, tuple[str, ...]] = {
@@ -122,4 +145,5 @@ CASES: dict[str, tuple[str, ...]] = {
                                    "plan.accumulate=2", "data.batch_size=16"),
     "dp2xfsdp2xtp2 bf16 remat=save_dots": (*PLANS["dp2xfsdp2xtp2"], "plan.precision=bf16",
                                            "plan.remat=save_dots"),
+    **{f"{name} moe": (*ov, "model.moe_experts=8") for name, ov in MOE.items()},
 }

@@ -1,23 +1,36 @@
 """Expert parallelism over the `ep` mesh axis, for a mixture-of-experts model (Mixtral style).
 
-Not available in `train` yet: the planner predicts these plans and `--search` marks them.
+The model (`models/moe.py`: `model.moe_experts` E, `model.moe_top_k` k, `model.capacity_factor`)
+replaces the MLP of every `model.moe_every`-th layer with E SwiGLU experts and a linear router.
+Rules: `experts -> ep`; tokens stay split over `ep` as over a data axis (the batch rule includes
+it). Saves: expert weights, their gradients and optimizer state split ep ways (each device holds
+E / ep experts whole, or split over tp and fsdp as a dense MLP is).
 
-The model (`model.moe_experts` E, `model.moe_top_k` k, `model.capacity_factor` c) replaces each
-MLP with E SwiGLU experts and a linear router. Rules: `experts -> ep`; tokens stay split over
-`ep` as over a data axis (the batch rule includes it). Saves: expert weights split ep ways.
-Costs, in collectives per MoE layer and micro-batch: dispatch and combine all-to-alls over `ep`,
-forward and backward, of tokens x k x c x dim (4 per layer); expert gradients are complete where
-the experts live, so they are not reduced over `ep` (`dp.py`).
+Costs, in collectives per MoE layer and micro-batch (as XLA compiles the step), with the slot
+buffer of a device = its tokens x R x dim x compute bytes, R = E C / T expert rows per token (C
+= `ModelConfig.moe_capacity(T)`, slots per expert and sequence: R = k x capacity_factor up to
+rounding; R = E for dropless under ep, whose buffer is sized for the worst case):
+- 2 all-to-alls over `ep` forward (dispatch to the experts' devices, combine back) and 2
+  backward (their transposes), each of the whole buffer: `Comm.bytes` = tokens x R x dim x
+  beta, of which (ep - 1) / ep leaves the device (the wire factor); the minimum, tokens x k x
+  dim x beta, is what a ragged all-to-all of the routed tokens alone would move;
+- a full-remat policy replays the forward's two all-to-alls in the backward (6 per layer):
+  the combine's backward needs each token's expert outputs, so the experts are recomputed;
+- expert gradients are complete where the experts live, so they are not reduced over `ep`
+  (`dp.py`); under tp the expert MLP's all-reduces act on the buffer, not on bsh (`tp.py`).
+Dropless without ep runs per data shard (`on_data_shards`): no all-to-all, and its expert
+gradients are all-reduced over the data axes inside the shard_map.
+
+The step side: `to_experts` / `from_experts` run the dispatch and combine inside `jax.shard_map`
+over the mesh (the local scatter/gather of `models/moe.py`, one `lax.all_to_all` over `ep` when
+`experts` is split); the expert MLP between them is GSPMD-sharded by the rules.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Comm
+from jaxscale.strategies.common import Comm, Term
 
 NAME = "ep"
-AVAILABLE = False
-UNAVAILABLE = ("mesh.ep={ep}, model.moe_experts={spec.model.moe_experts}: mixture-of-experts "
-               "layers and expert parallelism are not available in train yet; set mesh.ep=1 and "
-               "model.moe_experts=0")
+AVAILABLE = True
 
 
 def active(spec) -> bool:
@@ -25,13 +38,22 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    e, E = spec.deg("ep"), spec.model.moe_experts
+    e, E, errs = spec.deg("ep"), spec.model.moe_experts, []
     if e > 1 and not E:
         return [f"mesh.ep={e} needs a mixture-of-experts model (model.moe_experts=0); set "
                 f"mesh.ep=1 or model.moe_experts"]
     if E and E % e:
-        return [f"model.moe_experts={E} is not divisible by mesh.ep={e}"]
-    return []
+        errs.append(f"model.moe_experts={E} is not divisible by mesh.ep={e}: each device of the "
+                    f"ep axis holds E / ep whole experts; choose ep dividing {E}")
+    if E and spec.deg("sp") > 1:
+        errs.append(f"model.moe_experts={E} with mesh.sp={spec.deg('sp')}: expert capacity is "
+                    f"counted per whole sequence, which context parallelism splits; use "
+                    f"mesh.sp=1 with a mixture of experts")
+    if E and spec.sequence_parallel:
+        errs.append(f"model.moe_experts={E} with plan.sequence_parallel=true: the expert "
+                    f"dispatch reads whole sequences on every tp rank; use "
+                    f"plan.sequence_parallel=false with a mixture of experts")
+    return errs
 
 
 def rules(spec, rules) -> None:
@@ -39,22 +61,136 @@ def rules(spec, rules) -> None:
         rules.add("experts", "ep", by="ep")
 
 
+def expert_rows(spec) -> float:
+    """Expert rows per token of a MoE layer: E C / T slots of the capacity buffer (E in
+    dropless mode under ep: the worst case), or exactly k sorted rows for dropless without ep."""
+    m = spec.model
+    if m.moe_dropless and spec.deg("ep") == 1:
+        return float(m.moe_top_k)
+    T = int(spec.local_seq)
+    return m.moe_experts * m.moe_capacity(T) / T
+
+
+def moe_layers(spec) -> int:
+    """MoE layers on the busiest pipeline stage."""
+    m = spec.model
+    return -(-m.n_moe_layers // spec.deg("pp")) if spec.moe else 0
+
+
 def collectives(spec) -> list[Comm]:
+    from jaxscale.strategies.remat import actions
     e = spec.deg("ep")
     if e == 1 or not spec.moe:
         return []
-    m, k, L = spec.model, max(1, spec.accumulate), spec.stage_layers
+    m, k, L = spec.model, max(1, spec.accumulate), moe_layers(spec)
     tokens = spec.micro_batch * spec.local_seq
-    routed = tokens * m.moe_top_k * m.capacity_factor * m.dim * spec.compute_itemsize
-    return [Comm("all-to-all", ("ep",), 4 * routed * L * k, int(4 * L * k),
-                 "MoE dispatch and combine, forward and backward", group=e)]
+    buf = tokens * expert_rows(spec) * m.dim * spec.compute_itemsize
+    routed = tokens * m.moe_top_k * m.dim * spec.compute_itemsize
+    per_layer = 4 + (2 if actions(spec.remat)["mlp_down"] == "remat" else 0)
+    n = per_layer * L * k
+    return [Comm("all-to-all", ("ep",), buf * n, n,
+                 f"MoE dispatch and combine, forward and backward ({per_layer} per layer)",
+                 group=e, minimum=routed * n)]
 
 
-def memory(spec) -> list:
-    """None of its own: expert weights follow the rules; routed activations are in the layer
-    table (top_k MLP activations per token)."""
-    return []
+def memory(spec) -> list[Term]:
+    """Expert weights follow the rules and the routed activations are in the layer table
+    (`planner.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
+    place) the backward of a scanned MoE layer holds a copy of the layer's expert weights sliced
+    out of the stack, the operand of the batched expert matmuls (read from XLA:CPU buffer
+    assignments: dp2 x ep4, ep8)."""
+    from jaxscale.strategies.fsdp import gather_axes
+    if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
+        return []
+    from jaxscale.planner.params import leaves
+    local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
+    return [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
+                 "one MoE layer's expert weights, sliced out of the stack")]
 
 
 def label(spec) -> list[str]:
     return []
+
+
+# ----------------------------------------------------------------------------- the step
+def _context():
+    from jaxscale import axes
+    return axes.active()
+
+
+def _one(axes: tuple):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def experts_split() -> bool:
+    """Whether the rules in force split the logical `experts` axis (expert parallelism)."""
+    ctx = _context()
+    return bool(ctx and ctx[1].table.get("experts"))
+
+
+def to_experts(scatter, x_BTD, idx_BTK, pos_BTK):
+    """Dispatch: `scatter(x, idx, pos)` on each data shard fills its [E, b, C, D] slot buffer;
+    with experts over ep, one all-to-all sends each expert's slots to the device holding it.
+    Returns the global buffer [E, B, C, D]: experts over ep, rows over the other data axes."""
+    ctx = _context()
+    if ctx is None:
+        return scatter(x_BTD, idx_BTK, pos_BTK)
+    import jax
+    from jax import lax
+    from jaxscale.axes import suspended
+    mesh, rules = ctx
+    ex = rules.table.get("experts", ())
+    tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
+
+    def body(x, idx, pos):
+        with suspended():
+            b = scatter(x, idx, pos)
+        return lax.all_to_all(b, _one(ex), 0, 1, tiled=True) if ex else b
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok), out_specs=buf)(
+        x_BTD, idx_BTK, pos_BTK)
+
+
+def from_experts(gather, out_EBCD, idx_BTK, pos_BTK, w_BTK):
+    """Combine: the inverse all-to-all brings each slot back to its token's device, where
+    `gather(out, idx, pos, w)` weights and sums a token's expert outputs: [B, T, D]."""
+    ctx = _context()
+    if ctx is None:
+        return gather(out_EBCD, idx_BTK, pos_BTK, w_BTK)
+    import jax
+    from jax import lax
+    from jaxscale.axes import suspended
+    mesh, rules = ctx
+    ex = rules.table.get("experts", ())
+    tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
+
+    def body(out, idx, pos, w):
+        out = lax.all_to_all(out, _one(ex), 1, 0, tiled=True) if ex else out
+        with suspended():
+            return gather(out, idx, pos, w)
+    return jax.shard_map(body, mesh=mesh, in_specs=(buf, tok, tok, tok), out_specs=tok)(
+        out_EBCD, idx_BTK, pos_BTK, w_BTK)
+
+
+def on_data_shards(fn, x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
+    """Dropless without expert parallelism: `fn(x, idx, w, w_gate, w_up, w_down)` on each data
+    shard, the expert weights whole but for `mlp` over tp (its partial sums all-reduced over tp
+    after the combine). The weights' gradients are all-reduced over the data axes inside."""
+    ctx = _context()
+    if ctx is None:
+        return fn(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    from jaxscale.axes import suspended
+    mesh, rules = ctx
+    tok, mlp = rules.spec(("batch", None, None)), rules.table.get("mlp", ())
+    col, row = P(None, None, _one(mlp) if mlp else None), P(None, _one(mlp) if mlp else None, None)
+
+    def body(x, idx, w, wg, wu, wd):
+        if mlp:       # the input's gradient is then summed over tp once, at [b, T, D]
+            x = lax.pcast(x, mlp, to="varying")
+        with suspended():
+            y = fn(x, idx, w, wg, wu, wd)
+        return lax.psum(y, mlp) if mlp else y
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row),
+                         out_specs=tok)(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)

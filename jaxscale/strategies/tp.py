@@ -76,14 +76,31 @@ def collectives(spec) -> list[Comm]:
                 Comm("reduce-scatter", ("tp",), 2 * act * k, 2 * k,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
     else:
-        rows = [Comm("all-reduce", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
-                     f"block activations: {2 + redo} forward + 5 backward per layer", group=t,
-                     minimum=(fwd + 2 * L * k) * act),
+        extra, moe_redo = _expert_extra(spec)      # MoE layers: their MLP's on the slot buffer
+        rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,
+                     int(fwd + bwd + moe_redo),
+                     f"block activations: {2 + redo} forward + 5 backward per layer"
+                     + (" (a MoE layer's MLP ones on its slot buffer)" if extra else ""),
+                     group=t, minimum=(fwd + 2 * L * k) * act),
                 Comm("all-reduce", ("tp",), 2 * act * k, 2 * k,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t)]
     rows.append(Comm("all-reduce", ("tp",), stats, 3 * k,
                      "softmax max, sum and target logit over the vocabulary", group=t))
     return rows
+
+
+def _expert_extra(spec) -> tuple[float, int]:
+    """A MoE layer's MLP all-reduces act on its slot buffer, R = `ep.expert_rows` rows per
+    token, not on bsh: the expert outputs forward, the gate and up input gradients backward
+    (and the outputs again when remat replays the experts). Returns (the bytes beyond the dense
+    count, in bsh units, and the extra all-reduces of a replay)."""
+    if not spec.moe:
+        return 0.0, 0
+    from jaxscale.strategies import ep
+    from jaxscale.strategies.remat import actions
+    k, Lm, r = max(1, spec.accumulate), ep.moe_layers(spec), ep.expert_rows(spec)
+    redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
+    return (3 * (r - 1) + redo * r) * Lm * k, redo * Lm * k
 
 
 def memory(spec) -> list[Term]:

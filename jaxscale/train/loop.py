@@ -1,7 +1,8 @@
 """The training loop: progress bar, metrics (JSONL + TensorBoard), held-out evaluation, loss plot,
 checkpoints, exact resume, preemption and the non-finite policy.
 
-Per step it reports loss, gradient norm, learning rate, tokens/s, step time, MFU and `skipped`,
+Per step it reports loss, gradient norm, learning rate, tokens/s, step time, MFU and `skipped`
+(a mixture of experts adds its router losses and dropped fraction, `step.MOE_METRICS`),
 where MFU = model FLOPs per token (`ModelConfig.flops_per_token`: 6 x matmul parameters + causal
 attention) x tokens/s / (peak FLOP/s per device x devices); the peak comes from
 `jaxscale.hardware` for `mesh.device_kind` and the compute dtype, or from `train.peak_flops`.
@@ -43,6 +44,7 @@ from jaxscale import hardware
 from jaxscale.data import Batches, load_corpus
 from jaxscale.strategies import precision
 from jaxscale.train.setup import build
+from jaxscale.train.step import MOE_METRICS
 
 
 
@@ -256,6 +258,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
                    "skipped": int(m.get("skipped", 0))}
             if "loss_scale" in m:
                 row["loss_scale"] = float(m["loss_scale"])
+            row.update({key: float(m[key]) for key in MOE_METRICS if key in m})
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or step == 0
                                          or done == cfg.train.steps):
                 row["eval_loss"] = evaluate(setup, state.params, eval_b,

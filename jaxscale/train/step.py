@@ -47,34 +47,64 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
 
 
 def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | None = None,
-                  layout: Callable | None = None):
-    """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches.
+                  layout: Callable | None = None, with_stats: bool = False):
+    """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches
+    (`with_stats`: and a dict of the mixture-of-experts metrics, `MOE_METRICS`; {} if dense).
 
     Differentiates sum(token losses) x scale / (B x T): gradients the size of a mean loss's (what a
     loss scale is tuned for), rescaled exactly to the token mean afterwards. `layout` (context
     parallelism, `sp.batch_layout`) permutes the batch's tokens first and adds their positions:
-    a token mean does not depend on the order."""
-    def sum_loss(params, batch, factor):
-        logits = model.apply(params, batch["inputs"], batch.get("positions"),
-                             block_wrapper=block_wrapper)
+    a token mean does not depend on the order.
+
+    A mixture-of-experts model optimises loss + moe_aux_weight x aux + moe_z_weight x z, each
+    router loss averaged over the micro-batches (`models/moe.py`); the reported `loss` is the
+    cross entropy alone (what `eval` reports). The router terms enter each micro-batch's sum
+    times (real tokens of the whole batch) / k, so the division by the token count leaves them
+    at their weights exactly."""
+    moe = model.cfg.moe_experts > 0
+
+    def sum_loss(params, batch, factor, reg_tokens):
+        if not moe:
+            logits = model.apply(params, batch["inputs"], batch.get("positions"),
+                                 block_wrapper=block_wrapper)
+            total, n = token_loss(logits, batch["targets"], batch["mask"])
+            return total * factor, (total, n)
+        logits, aux = model.module(params)(batch["inputs"], batch.get("positions"), None,
+                                           block_wrapper, return_aux=True)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
-        return total * factor, (total, n)
+        reg = model.cfg.moe_aux_weight * aux["aux_loss"] + model.cfg.moe_z_weight * aux["z_loss"]
+        stats = tuple(aux[key] for key in ("aux_loss", "z_loss", "dropped", "routed"))
+        return (total + reg * reg_tokens) * factor, (total, n, stats)
 
     def grads_fn(params, batch, scale=1.0):
         batch = layout(batch) if layout else batch
         slots = batch["targets"].size
-        grads, (total, ntok) = accumulate.grads(
-            lambda p, b: sum_loss(p, b, scale / slots), params, batch, k)
+        reg_tokens = jnp.sum(batch["mask"].astype(jnp.float32)) / k if moe else None
+        grads, (total, ntok, *rest) = accumulate.grads(
+            lambda p, b: sum_loss(p, b, scale / slots, reg_tokens), params, batch, k)
         denom = jnp.where(ntok > 0, ntok, 1.0) / slots * scale
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
-        return grads, total / jnp.where(ntok > 0, ntok, 1.0), ntok
+        loss = total / jnp.where(ntok > 0, ntok, 1.0)
+        if not with_stats:
+            return grads, loss, ntok
+        stats = {}
+        if moe:
+            aux, z, dropped, routed = rest[0]
+            stats = {"moe_aux_loss": aux / k, "moe_z_loss": z / k, "moe_dropped": dropped / routed}
+        return grads, loss, ntok, stats
     return grads_fn
+
+
+#: the train step's metrics of a mixture-of-experts model: the router losses (unweighted, averaged
+#: over layers and micro-batches) and the fraction of expert assignments dropped by capacity
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
 
 
 def make_train_step(model: FunctionalModel, optimizer, schedule, placement, policy,
                     lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
-    grads_fn = make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec))
+    grads_fn = make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec),
+                             with_stats=True)
     grads_sh = named_shardings(placement, lay.specs.grads)
     param_index = jax.tree.unflatten(jax.tree.structure(model.abstract_params),
                                      range(len(jax.tree.leaves(model.abstract_params))))
@@ -88,7 +118,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
         with use_rules(placement.mesh, placement.rules):
             params = to(state.params, device_sh.params)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
-            grads, loss, ntok = grads_fn(params, batch, scale)
+            grads, loss, ntok, moe_stats = grads_fn(params, batch, scale)
             grads = jax.lax.with_sharding_constraint(grads, grads_sh)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -127,7 +157,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
             step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
             loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "tokens": ntok, "skipped": (~finite).astype(jnp.int32)}
+                   "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **moe_stats}
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
         return new_state, metrics

@@ -1,0 +1,231 @@
+"""Mixture-of-experts feed-forward block (Mixtral style): router, dispatch, experts, losses.
+
+A block with `model.moe_experts = E > 0` replaces the dense SwiGLU MLP of every
+`model.moe_every`-th layer (layers n-1, 2n-1, ...; all of them for n = 1, the only choice with
+`scan_layers`, which stacks identical layers) by E SwiGLU experts and a linear router.
+
+Parameters of one MoE layer (with `scan_layers` each has a leading `layers` axis of n_layers):
+
+| path (under `layers/` or `layers/<i>/`) | shape           | logical axes                   |
+|-----------------------------------------|-----------------|--------------------------------|
+| `mlp/router`                            | [dim, E]        | ("embed", None)                |
+| `mlp/w_gate`                            | [E, dim, ffn]   | ("experts", "embed", "mlp")    |
+| `mlp/w_up`                              | [E, dim, ffn]   | ("experts", "embed", "mlp")    |
+| `mlp/w_down`                            | [E, ffn, dim]   | ("experts", "mlp", "embed")    |
+
+Expert e computes `(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]`, the dense MLP's function.
+Hugging Face Mixtral stores the same weights transposed, as `nn.Linear` does: per layer,
+`block_sparse_moe.gate.weight` [E, dim] = router.T, `block_sparse_moe.experts.<e>.w1.weight`
+[ffn, dim] = w_gate[e].T, `.w3.weight` [ffn, dim] = w_up[e].T, `.w2.weight` [dim, ffn] =
+w_down[e].T; its routing is the one below (softmax over all E in fp32, top-k, renormalised).
+
+Routing, per token: logits = x @ router (fp32 accumulation); p = softmax(logits); the top-k
+experts by p (ties: the lower index); their weights p / sum(top-k p), summing to 1. The output is
+sum_j w_j expert_{e_j}(x) over the token's kept assignments; a dropped assignment adds nothing
+(the token keeps its residual), and the weights are not renormalised over what was kept.
+
+Losses (returned as statistics, weighted into the training loss by `jaxscale/train/step.py`):
+- load balancing (Switch Transformer, arXiv 2101.03961): E * sum_e f_e * P_e, with f_e the
+  fraction of the k N assignments of the N tokens that chose expert e (before capacity; a
+  constant to the gradient) and P_e the mean router probability of e. 1.0 when balanced, E when
+  one expert takes everything. (Hugging Face's `load_balancing_loss_func` reports k times this
+  value: it normalises f by N, not k N.) Weight `model.moe_aux_weight`.
+- router z-loss (ST-MoE, arXiv 2202.08906): mean over tokens of logsumexp(logits)^2, keeping the
+  router logits small. Weight `model.moe_z_weight`.
+Both are averaged over the MoE layers, over the whole global batch (the router runs in the
+global, GSPMD view, so every data-parallel degree computes the same value).
+
+Dispatch. The capacity mode (default) gives each expert `cfg.moe_capacity(T)` = C =
+ceil(capacity_factor x T x k / E) slots per *sequence* (at most T: an expert takes a token at
+most once). Within a sequence, assignments claim slots in token order, a token's choices in rank
+order; one past its expert's capacity is dropped. So (1) a token's fate depends only on earlier
+tokens of its own sequence: the model stays causal, and (2) the same tokens drop whatever the
+data, expert or tensor parallel layout or the micro-batching: sharded runs equal one device even
+when tokens drop. Tokens are scattered into a buffer [E, B, C, dim] (`scatter_to_slots`), the
+experts run as batched matmuls over it (`expert_ffn`, GSPMD-sharded: `experts` over ep, the rows
+over the other data axes, `mlp` over tp) and the results are gathered back and weighted
+(`gather_from_slots`). Expert parallelism moves the buffer with one all-to-all each way
+(`jaxscale.strategies.ep.to_experts` / `from_experts`, inside `jax.shard_map`); without it the
+same code runs with no collective. `top_k` is k rounds of argmax, not `lax.top_k`, whose GSPMD
+partitioning gathers the whole batch.
+
+Dropless mode (`model.moe_dropless`): no token is ever dropped. Without expert parallelism the
+assignments are sorted by expert and the experts run as grouped matmuls (`jax.lax.ragged_dot`)
+over exactly k N rows (`ragged_experts`, per data shard: `ep.on_data_shards`). Under expert
+parallelism the all-to-all needs static shapes, so dropless uses the capacity buffer at its
+worst case, C = T slots per sequence and expert (nothing can overflow): exact, at E / k times
+the routed volume in all-to-all bytes, buffer memory and expert FLOPs (a ragged all-to-all
+would move only what is routed; not used here).
+
+Remat: the expert activations carry the dense MLP's tags (`mlp_gate`, `mlp_up`, `mlp_hidden`,
+`mlp_down`), so name-based policies treat both alike; `save_dots` keeps only matmuls without
+batch dimensions, and the expert matmuls have one (the expert), so it recomputes them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.axes import constrain
+
+F32 = jnp.float32
+#: the statistics one MoE layer returns (each a scalar, but `expert_share` [E])
+STATS = ("aux_loss", "z_loss", "dropped", "routed", "expert_share")
+
+
+# ----------------------------------------------------------------------------- routing
+def route(x_BTD, router_DE, k: int):
+    """(logits [B,T,E] fp32, probabilities [B,T,E], top-k weights [B,T,k] summing to 1,
+    top-k expert ids [B,T,k])."""
+    logits = jnp.einsum("btd,de->bte", x_BTD, router_DE.astype(x_BTD.dtype),
+                        preferred_element_type=F32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, idx = top_k(probs, k)
+    return logits, probs, top_p / jnp.sum(top_p, -1, keepdims=True), idx
+
+
+def top_k(probs_BTE, k: int):
+    """The k largest probabilities and their experts, by k rounds of argmax (the lower index wins
+    a tie, as `lax.top_k`): element-wise and reductions along E only, which GSPMD keeps on each
+    batch shard (its `lax.top_k` partitioning gathers the whole batch)."""
+    vals, idx, p = [], [], probs_BTE
+    for _ in range(k):
+        i = jnp.argmax(p, axis=-1)
+        hit = jax.nn.one_hot(i, probs_BTE.shape[-1], dtype=jnp.bool_)
+        vals.append(jnp.sum(jnp.where(hit, probs_BTE, 0.0), axis=-1))
+        idx.append(i.astype(jnp.int32))
+        p = jnp.where(hit, -jnp.inf, p)
+    return jnp.stack(vals, -1), jnp.stack(idx, -1)
+
+
+def expert_share(idx_BTK, n_experts: int):
+    """[E]: the fraction of all assignments (k per token) that chose each expert (sums to 1)."""
+    counts = jnp.sum(jax.nn.one_hot(idx_BTK, n_experts, dtype=F32), axis=(0, 1, 2))
+    return counts / idx_BTK.size
+
+
+def balance_loss(probs_BTE, share_E):
+    """Switch load balancing: E * sum_e f_e P_e (f a constant to the gradient)."""
+    E = probs_BTE.shape[-1]
+    return E * jnp.sum(lax.stop_gradient(share_E) * jnp.mean(probs_BTE, axis=(0, 1)))
+
+
+def z_loss(logits_BTE):
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+
+
+def slot_positions(idx_BTK, n_experts: int):
+    """[B,T,k]: each assignment's place in its expert's queue within its sequence (token order,
+    a token's choices in rank order; 0 = first). >= capacity means dropped."""
+    B, T, K = idx_BTK.shape
+    onehot = jax.nn.one_hot(idx_BTK.reshape(B, T * K), n_experts, dtype=jnp.int32)
+    before = jnp.cumsum(onehot, axis=1) - onehot            # earlier claims on the same expert
+    return jnp.sum(before * onehot, axis=-1).reshape(B, T, K)
+
+
+# ----------------------------------------------------------------------------- local pieces
+def _rows(idx_BTK):
+    return jnp.broadcast_to(jnp.arange(idx_BTK.shape[0])[:, None, None], idx_BTK.shape)
+
+
+def scatter_to_slots(x_BTD, idx_BTK, pos_BTK, *, n_experts: int, capacity: int):
+    """Tokens into their expert slots: [E, B, C, D] (empty slots zero; dropped ones skipped)."""
+    B, T, D = x_BTD.shape
+    upd = jnp.broadcast_to(x_BTD[:, :, None, :], (*idx_BTK.shape, D))
+    buf = jnp.zeros((n_experts, B, capacity, D), x_BTD.dtype)
+    return buf.at[idx_BTK, _rows(idx_BTK), pos_BTK].add(upd, mode="drop")
+
+
+def gather_from_slots(out_EBCD, idx_BTK, pos_BTK, w_BTK):
+    """Each token's expert outputs back from the slots, weighted and summed: [B, T, D]."""
+    C = out_EBCD.shape[2]
+    keep = pos_BTK < C
+    y_BTKD = out_EBCD[idx_BTK, _rows(idx_BTK), jnp.where(keep, pos_BTK, 0)]
+    w = jnp.where(keep, w_BTK, 0.0).astype(y_BTKD.dtype)
+    return jnp.sum(y_BTKD * w[..., None], axis=2)
+
+
+def expert_ffn(buf_EBCD, w_gate, w_up, w_down):
+    """SwiGLU of every expert over its slots (batched matmuls; GSPMD shards `experts`, the rows
+    over the data axes and `mlp` over tp as the rules say)."""
+    dt = buf_EBCD.dtype
+    buf = constrain(buf_EBCD, "experts", "batch", None, "embed")
+    g = checkpoint_name(jnp.einsum("ebcd,edf->ebcf", buf, w_gate.astype(dt)), "mlp_gate")
+    u = checkpoint_name(jnp.einsum("ebcd,edf->ebcf", buf, w_up.astype(dt)), "mlp_up")
+    h = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"),
+                  "experts", "batch", None, "mlp")
+    out = checkpoint_name(jnp.einsum("ebcf,efd->ebcd", h, w_down.astype(dt)), "mlp_down")
+    return constrain(out, "experts", "batch", None, "embed")
+
+
+def ragged_experts(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
+    """Dropless on one shard: the k N assignments sorted by expert, each expert a grouped matmul
+    over its rows (`jax.lax.ragged_dot`), unsorted, weighted and summed: [B, T, D]."""
+    B, T, D = x_BTD.shape
+    K, E, dt = idx_BTK.shape[-1], w_gate.shape[0], x_BTD.dtype
+    flat = idx_BTK.reshape(-1)                                  # [N k], token-major
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)
+    xs = x_BTD.reshape(B * T, D)[order // K]                    # [N k, D], grouped by expert
+    g = checkpoint_name(lax.ragged_dot(xs, w_gate.astype(dt), sizes), "mlp_gate")
+    u = checkpoint_name(lax.ragged_dot(xs, w_up.astype(dt), sizes), "mlp_up")
+    h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")
+    ys = checkpoint_name(lax.ragged_dot(h, w_down.astype(dt), sizes), "mlp_down")
+    y = ys[jnp.argsort(order)].reshape(B, T, K, D)              # back to token-major
+    return jnp.sum(y * w_BTK[..., None].astype(dt), axis=2)
+
+
+# ----------------------------------------------------------------------------- the block
+class MoE(nnx.Module):
+    """Router + E SwiGLU experts; __call__(x [B,T,D]) -> (y [B,T,D], statistics `STATS`)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        from jaxscale.models.llama import _param
+        d, f, E, pd, std = (cfg.dim, cfg.ffn_dim, cfg.moe_experts, jnp.dtype(cfg.param_dtype),
+                            cfg.init_std)
+        self.router = _param(rngs, (d, E), ("embed", None), pd, std)
+        self.w_gate = _param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
+        self.w_up = _param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
+        self.w_down = _param(rngs, (E, f, d), ("experts", "mlp", "embed"), pd,
+                             std / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD):
+        from jaxscale.strategies import ep
+        cfg = self.cfg
+        E, K = cfg.moe_experts, cfg.moe_top_k
+        B, T, _ = x_BTD.shape
+        # the router is read whole (gathered like an FSDP weight at use): left to itself GSPMD
+        # splits its contraction over tp and all-reduces the logits
+        logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K)
+        share = expert_share(idx, E)
+        weights = self.w_gate[...], self.w_up[...], self.w_down[...]
+        if cfg.moe_dropless and not ep.experts_split():
+            y = ep.on_data_shards(ragged_experts, x_BTD, idx, w, *weights)
+            dropped = jnp.zeros((), F32)
+        else:
+            C = cfg.moe_capacity(T)
+            pos = slot_positions(idx, E)
+            buf = ep.to_experts(functools.partial(scatter_to_slots, n_experts=E, capacity=C),
+                                x_BTD, idx, pos)
+            y = ep.from_experts(gather_from_slots, expert_ffn(buf, *weights), idx, pos, w)
+            dropped = jnp.sum(pos >= C).astype(F32)
+        stats = {"aux_loss": balance_loss(probs, share), "z_loss": z_loss(logits),
+                 "dropped": dropped, "routed": jnp.asarray(B * T * K, F32),
+                 "expert_share": share}
+        return y, stats
+
+
+def summarise(stats: dict) -> dict:
+    """The statistics of all MoE layers (each leaf stacked [layers, ...]) for one forward pass:
+    `aux_loss` and `z_loss` averaged over the layers, `dropped` and `routed` assignments summed,
+    `expert_share` [layers, E] as it was."""
+    return {"aux_loss": jnp.mean(stats["aux_loss"]), "z_loss": jnp.mean(stats["z_loss"]),
+            "dropped": jnp.sum(stats["dropped"]), "routed": jnp.sum(stats["routed"]),
+            "expert_share": stats["expert_share"]}
