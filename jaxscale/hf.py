@@ -1,4 +1,5 @@
-"""Hugging Face LLaMA interop: `LlamaForCausalLM` directories to sharded jaxscale params and back.
+"""Hugging Face interop: `LlamaForCausalLM` and `MixtralForCausalLM` directories to sharded
+jaxscale params and back.
 
 Loading reads `config.json` (transformers 4 style `rope_theta` + `rope_scaling`, or transformers 5
 style `rope_parameters`) into a `ModelConfig`, then builds every parameter with
@@ -11,6 +12,13 @@ Layout: Hugging Face `nn.Linear` weights are [out, in]; jaxscale keeps [in, head
 Q/K/V, [heads, head_dim, out] for the attention output and [in, out] for the rest. The rotary
 layout is the same on both sides (rotate-half: pairs (x[i], x[i + d/2])), so Q and K need no
 permutation, only the reshape and transpose above.
+
+Mixtral is the same model with a mixture of experts in every layer (`models/moe.py`): per layer
+`block_sparse_moe.gate.weight` [E, dim] is `mlp/router` transposed and `experts.<e>.w1/w3/w2`
+are expert e of `mlp/w_gate`/`w_up`/`w_down`, each transposed. The routing is the same (fp32
+softmax over all experts, top-k, renormalised); a loaded Mixtral is dropless
+(`model.moe_dropless`), so inference is exact. Hugging Face's `router_aux_loss_coef` is k times
+`model.moe_aux_weight` (its load-balancing loss is k times jaxscale's); a sliding window is refused.
 
 Anything the jaxscale LLaMA cannot express fails with a `ValueError` naming the field or tensor:
 another architecture or `model_type`, an activation other than SiLU, attention or MLP biases, a
@@ -33,6 +41,9 @@ import numpy as np
 from jaxscale.models.llama import ModelConfig, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
+MOE_ARCHITECTURE = "MixtralForCausalLM"
+#: architecture -> model_type
+ARCHITECTURES = {ARCHITECTURE: "llama", MOE_ARCHITECTURE: "mixtral"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 #: tensors some checkpoints carry that are derived, not learned (RoPE tables)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,13 +79,19 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face LLaMA `config.json` dict; `overrides` set jaxscale-only
-    fields (`scan_layers`, `attention`, `dtype`, ...). Unsupported settings raise ValueError."""
-    archs = hf.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in archs:
-        raise ValueError(f"architectures={archs}: only {ARCHITECTURE} can be loaded")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type={hf['model_type']!r}: only 'llama' can be loaded")
+    """A `ModelConfig` from a Hugging Face LLaMA or Mixtral `config.json` dict; `overrides` set
+    jaxscale-only fields (`scan_layers`, `attention`, `dtype`, ...). Unsupported settings raise
+    ValueError."""
+    model_type = hf.get("model_type", "llama")
+    archs = hf.get("architectures") or [MOE_ARCHITECTURE if model_type == "mixtral"
+                                        else ARCHITECTURE]
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ValueError(f"architectures={archs}: only {' and '.join(ARCHITECTURES)} can be "
+                         f"loaded")
+    if model_type != ARCHITECTURES[known[0]]:
+        raise ValueError(f"model_type={model_type!r}: {known[0]} needs "
+                         f"{ARCHITECTURES[known[0]]!r} (only 'llama' and 'mixtral' can be loaded)")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported: jaxscale's MLP is SwiGLU (silu)")
@@ -98,19 +115,39 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02)))
     if kw["head_dim"] == kw["dim"] // heads and kw["dim"] % heads == 0:
         kw["head_dim"] = 0
+    if model_type == "mixtral":
+        kw.update(_moe_from_hf(hf))
     kw.update(overrides)
     return ModelConfig(**kw).validate()
 
 
+def _moe_from_hf(hf: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral `config.json` (every layer a mixture)."""
+    for field in ("num_local_experts", "num_experts_per_tok"):
+        if field not in hf:
+            raise ValueError(f"config.json lacks {field}")
+    if hf.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window={hf['sliding_window']}: sliding-window attention is "
+                         f"not supported (jaxscale's attention is full causal); only "
+                         f"sliding_window=null can be loaded")
+    if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported: "
+                         f"jaxscale's router has no input jitter")
+    k = int(hf["num_experts_per_tok"])
+    return dict(moe_experts=int(hf["num_local_experts"]), moe_top_k=k, moe_every=1,
+                moe_dropless=True,
+                moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001 * k)) / k)
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """The `config.json` of `cfg`, readable by transformers 4 (`rope_theta`/`rope_scaling`) and 5
-    (`rope_parameters`)."""
+    """The `config.json` of `cfg` (a `LlamaConfig`, or a `MixtralConfig` for a mixture of
+    experts), readable by transformers 4 (`rope_theta`/`rope_scaling`) and 5 (`rope_parameters`)."""
     s = cfg.rope_scaling
     scaling = None if s is None else {
         "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
         "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings":
         s.original_max_position}
-    return {
+    out = {
         "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -122,6 +159,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
     }
+    if not cfg.moe_experts:
+        return out
+    if cfg.moe_every != 1:
+        raise ValueError(f"model.moe_every={cfg.moe_every}: Mixtral has a mixture of experts in "
+                         f"every layer; only moe_every=1 can be exported")
+    for field in ("attention_bias", "mlp_bias"):
+        del out[field]
+    return {**out, "architectures": [MOE_ARCHITECTURE], "model_type": "mixtral",
+            "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+            "router_aux_loss_coef": cfg.moe_aux_weight * cfg.moe_top_k,
+            "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None,
+            "attention_dropout": 0.0}
 
 
 # ----------------------------------------------------------------------------- tensor layout
@@ -137,6 +186,12 @@ class TensorMap:
     kind: str
     heads: int = 0
     head_dim: int = 0
+    expert: int | None = None   # the index into the experts axis (after `layers`) of an expert
+
+    @property
+    def lead(self) -> tuple:
+        """The indices into the leading (stacking) axes: layer when scanned, then expert."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
@@ -153,12 +208,20 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                 ("self_attn.k_proj", ("attn", "wk"), "qkv", cfg.n_kv_heads),
                 ("self_attn.v_proj", ("attn", "wv"), "qkv", cfg.n_kv_heads),
                 ("self_attn.o_proj", ("attn", "wo"), "o", cfg.n_heads),
-                ("mlp.gate_proj", ("mlp", "w_gate"), "t", 0),
-                ("mlp.up_proj", ("mlp", "w_up"), "t", 0),
-                ("mlp.down_proj", ("mlp", "w_down"), "t", 0),
                 ("input_layernorm", ("attn_norm", "scale"), "same", 0),
                 ("post_attention_layernorm", ("mlp_norm", "scale"), "same", 0)):
             maps.append(TensorMap(pre + name + ".weight", base + key, layer, kind, n, hd))
+        if not cfg.is_moe_layer(i):
+            for name, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"),
+                              ("down_proj", "w_down")):
+                maps.append(TensorMap(f"{pre}mlp.{name}.weight", base + ("mlp", key), layer, "t"))
+            continue
+        moe = pre + "block_sparse_moe."
+        maps.append(TensorMap(moe + "gate.weight", base + ("mlp", "router"), layer, "t"))
+        for e in range(cfg.moe_experts):
+            for name, key in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
+                maps.append(TensorMap(f"{moe}experts.{e}.{name}.weight", base + ("mlp", key),
+                                      layer, "t", expert=e))
     return maps
 
 
@@ -210,7 +273,7 @@ def params_to_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for m in tensor_maps(cfg):
         x = np.asarray(_get(params, m.path))
-        out[m.hf_name] = np.ascontiguousarray(to_hf_layout(m, x if m.layer is None else x[m.layer]))
+        out[m.hf_name] = np.ascontiguousarray(to_hf_layout(m, x[m.lead]))
     return out
 
 
@@ -224,12 +287,14 @@ def hf_to_params(tensors: dict, cfg: ModelConfig) -> dict:
         t = np.asarray(tensors[m.hf_name])
         full = (slice(None),) * {"same": t.ndim, "t": 2, "qkv": 3, "o": 3}[m.kind]
         x = read_block(m, lambda sl, t=t: t[sl], full)
-        by_path.setdefault(m.path, []).append(x)
+        by_path.setdefault(m.path, []).append((m.lead, x))
     for path, xs in by_path.items():
         node = params
         for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[path[-1]] = np.stack(xs) if cfg.scan_layers and path[0] == "layers" else xs[0]
+        xs.sort(key=lambda kx: kx[0])
+        lead = tuple(n + 1 for n in xs[-1][0])         # the stacked axes' sizes
+        node[path[-1]] = np.stack([x for _, x in xs]).reshape(lead + xs[0][1].shape)
     return params
 
 
@@ -343,7 +408,9 @@ def load_params(path_or_ckpt, cfg: ModelConfig, shardings) -> dict:
     def build(path, leaf, sharding):
         ms = maps[path]
         dtype = np.dtype(leaf.dtype)
-        per_layer = leaf.shape[1:] if ms[0].layer is not None else leaf.shape
+        n_lead = len(ms[0].lead)            # stacked axes: layers (scanned), experts
+        per_layer = leaf.shape[n_lead:]
+        by_lead = {m.lead: m for m in ms}
         for m in ms:
             want = to_hf_layout(m, np.empty(per_layer, np.int8)).shape
             got = ckpt.shape(m.hf_name)
@@ -352,12 +419,14 @@ def load_params(path_or_ckpt, cfg: ModelConfig, shardings) -> dict:
                                  f"{list(want)}")
 
         def callback(index):
-            def one(m, idx):
-                return read_block(m, lambda sl: ckpt.read(m.hf_name, sl, dtype), idx)
-            if ms[0].layer is None:
-                return one(ms[0], index)
-            lo, hi = _bounds(index[0], leaf.shape[0])
-            return np.stack([one(ms[i], index[1:]) for i in range(lo, hi)])
+            def one(lead):
+                if len(lead) == n_lead:
+                    m = by_lead[lead]
+                    return read_block(m, lambda sl: ckpt.read(m.hf_name, sl, dtype),
+                                      index[n_lead:])
+                lo, hi = _bounds(index[len(lead)], leaf.shape[len(lead)])
+                return np.stack([one(lead + (i,)) for i in range(lo, hi)])
+            return one(())
         return jax.make_array_from_callback(leaf.shape, sharding, callback, dtype=dtype)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -376,8 +445,9 @@ class Loaded:
 
 
 def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
-    """Read a Hugging Face LLaMA directory onto the mesh of `cfg` (a `jaxscale.config.Config`;
-    default: the default Config, i.e. its mesh preset) with the plan's parameter shardings.
+    """Read a Hugging Face LLaMA or Mixtral directory onto the mesh of `cfg` (a
+    `jaxscale.config.Config`; default: the default Config, i.e. its mesh preset, whose `ep` degree
+    shards Mixtral's experts) with the plan's parameter shardings.
     `model_overrides` set jaxscale-only model fields (`scan_layers`, `attention`, `dtype`)."""
     from jaxscale import plan as plan_lib
     from jaxscale.config import Config
@@ -402,7 +472,8 @@ def _host(x) -> np.ndarray:
 
 def export(path, params, cfg: ModelConfig, dtype: str = "float32",
            max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write `params` as a Hugging Face LLaMA directory; returns the files written.
+    """Write `params` as a Hugging Face LLaMA (dense) or Mixtral (mixture of experts) directory;
+    returns the files written.
 
     Tensors come to the host one at a time (one layer of a scanned stack at a time) and are
     written file by file, so the host holds at most one output file's worth. Above
@@ -417,7 +488,7 @@ def export(path, params, cfg: ModelConfig, dtype: str = "float32",
     sizes = []
     for m in maps:
         leaf = _get(params, m.path)
-        n = math.prod(leaf.shape[1:] if m.layer is not None else leaf.shape)
+        n = math.prod(leaf.shape[len(m.lead):])
         sizes.append(n * np_dtype.itemsize)
     groups: list[list[int]] = [[]]
     acc = 0
@@ -439,7 +510,7 @@ def export(path, params, cfg: ModelConfig, dtype: str = "float32",
         for i in group:
             m = maps[i]
             leaf = _get(params, m.path)
-            x = _host(leaf if m.layer is None else leaf[m.layer])   # one layer on the host
+            x = _host(leaf[m.lead] if m.lead else leaf)   # one layer (or expert) on the host
             tensors[m.hf_name] = np.ascontiguousarray(to_hf_layout(m, x).astype(np_dtype))
             weight_map[m.hf_name] = name
         if writer:

@@ -1,6 +1,6 @@
-"""Hugging Face interop: random tiny `LlamaForCausalLM`s built locally load onto sharded meshes with
-transformers' logits (1e-5), read only per-device slices, export back bit for bit, and unsupported
-configs fail naming the field."""
+"""Hugging Face interop: random tiny `LlamaForCausalLM`s and `MixtralForCausalLM`s built locally
+load onto sharded meshes (expert parallel ones for Mixtral) with transformers' logits (1e-5), read
+only per-device slices, export back bit for bit, and unsupported configs fail naming the field."""
 import copy
 import dataclasses
 import json
@@ -52,8 +52,8 @@ def jax_logits(loaded, tokens):
     return np.asarray(jax.jit(f)(loaded.params, tokens))
 
 
-def mesh_cfg(dp, fsdp, tp):
-    return tiny_config(f"mesh.dp={dp}", f"mesh.fsdp={fsdp}", f"mesh.tp={tp}")
+def mesh_cfg(dp, fsdp, tp, ep=1):
+    return tiny_config(f"mesh.dp={dp}", f"mesh.fsdp={fsdp}", f"mesh.tp={tp}", f"mesh.ep={ep}")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -168,3 +168,95 @@ def test_shape_mismatch_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight has shape"):
         hf.load(tmp_path, mesh_cfg(4, 2, 1))
+
+
+# ----------------------------------------------------------------------------- Mixtral
+MIXTRAL = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+               router_aux_loss_coef=0.02)
+
+
+def make_mixtral(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**{**MIXTRAL, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):      # a confident router: no near-ties in top-2
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral")
+    model = make_mixtral()
+    model.save_pretrained(path, max_shard_size="100KB")       # indexed, several files
+    tokens = np.random.default_rng(3).integers(0, MIXTRAL["vocab_size"], (8, 24))
+    with torch.no_grad():
+        ref = model(torch.from_numpy(tokens)).logits.numpy()
+    return path, model, tokens, ref
+
+
+@pytest.mark.parametrize("mesh,scan", [((2, 1, 1, 4), True), ((1, 2, 2, 2), False),
+                                       ((2, 2, 2, 1), True)])
+def test_mixtral_logits_match_transformers(mixtral_dir, mesh, scan):
+    path, _, tokens, ref = mixtral_dir
+    assert (path / hf.INDEX_FILE).exists()
+    loaded = hf.load(path, mesh_cfg(*mesh), scan_layers=scan)
+    m = loaded.cfg.model
+    assert (m.moe_experts, m.moe_top_k, m.moe_every, m.moe_dropless) == (4, 2, 1, True)
+    assert m.moe_aux_weight == 0.01              # transformers' coefficient is top_k times ours
+    assert loaded.placement.mesh.shape["ep"] == mesh[3]
+    layers = loaded.params["layers"]
+    w1 = np.asarray(layers["mlp"]["w_gate"])[1, 3] if scan else np.asarray(
+        layers[1]["mlp"]["w_gate"])[3]           # layer 1, expert 3
+    hf_w1 = hf.Checkpoint(path).read("model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                                     (slice(None),) * 2, np.float32)
+    np.testing.assert_array_equal(w1, hf_w1.T)
+    out = jax_logits(loaded, tokens)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    print(f"mixtral mesh={mesh} scan={scan}: max relative logit error {err:.2e}")
+    assert err < 1e-5
+
+
+def test_mixtral_export_reload_identical(mixtral_dir, tmp_path):
+    path, model, tokens, ref = mixtral_dir
+    loaded = hf.load(path, mesh_cfg(2, 1, 1, 4))
+    files = hf.export(tmp_path, loaded.params, loaded.cfg.model, max_shard_bytes=60_000)
+    assert (tmp_path / hf.INDEX_FILE) in files and len(files) > 3
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
+    assert config["router_aux_loss_coef"] == 0.02 and config["sliding_window"] is None
+    index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(hf.Checkpoint(path).weight_map)
+    again = hf.load(tmp_path, mesh_cfg(1, 2, 2, 2))
+    assert again.cfg.model == loaded.cfg.model
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    with torch.no_grad():
+        out = back(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_mixtral_config_mapping():
+    hfc = transformers.MixtralConfig(**MIXTRAL).to_dict()
+    hfc["architectures"] = ["MixtralForCausalLM"]
+    cfg = hf.config_from_hf(hfc)
+    assert (cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.moe_aux_weight) == (4, 2, 48, 0.01)
+    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    assert hf.config_to_hf(tiny_config().model)["model_type"] == "llama"      # dense stays LLaMA
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        hf.config_from_hf({**hfc, "sliding_window": 4096})
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        hf.config_from_hf({**hfc, "router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        hf.config_from_hf({**hfc, "model_type": "llama"})
+    with pytest.raises(ValueError, match="moe_every=2"):
+        hf.config_to_hf(dataclasses.replace(cfg, moe_every=2, scan_layers=False))
