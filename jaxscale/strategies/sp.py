@@ -100,10 +100,11 @@ def collectives(spec) -> list[Comm]:
     tokens = spec.micro_batch * spec.local_seq
     beta = spec.compute_itemsize
     kv = 2 * tokens * m.n_kv_heads * m.hd / t * beta          # the local K and V blocks
-    if spec.context == "ring":
-        steps = 3 * (sp - 1) * L * k
-        return [Comm("collective-permute", ("sp",), kv * steps, int(steps),
-                     "ring attention: K/V blocks forward, K/V and dK/dV backward", group=sp)]
+    if spec.context == "ring":     # K/V forward and again backward; the dK/dV travel in fp32
+        hops = (sp - 1) * L * k
+        return [Comm("collective-permute", ("sp",), kv * 2 * hops + kv / beta * 4 * hops,
+                     int(3 * hops), "ring attention: K/V blocks forward, K/V and fp32 dK/dV "
+                     "backward", group=sp)]
     if spec.context == "allgather":
         return [Comm("all-gather", ("sp",), kv * sp * L * k, int(L * k),
                      "K/V gathered over the sequence, forward", group=sp),
