@@ -118,20 +118,15 @@ def model_terms(spec, full) -> list[Term]:
 
 
 def attention_tiles(spec) -> float:
-    """The blockwise attention backward's fp32 working tiles: scores, probabilities and their
-    gradients, 4 [micro-batch, heads, bq, bk] tiles with bq = bk = min(512, keys) (Ulysses: its
-    heads over sp, the whole sequence). Ring and all-gather attention visit one pair of sequence
-    shards per hop, unrolled: XLA keeps 2 tiles of each of the sp hops until their gradients
-    merge (read from XLA:CPU buffer assignments). Fused kernels (pallas, cudnn) keep their tiles
-    on chip, and the `xla` implementation's scores are activations (`activations.py`)."""
-    m, sp = spec.model, spec.deg("sp")
-    ring = sp > 1 and spec.context != "ulysses"
-    if spec.attention != "blockwise" and not (ring and spec.device_kind == "cpu"):
+    """The blockwise attention backward's fp32 working tiles on one device: scores,
+    probabilities and their gradients, 4 [micro-batch, heads / tp, b, b] tiles with
+    b = min(512, sequence). Fused kernels (pallas, cudnn) keep their tiles on chip, and the `xla`
+    implementation's scores are activations (`activations.py`); context parallelism has its own
+    (`sp.memory`)."""
+    if spec.attention != "blockwise" or spec.deg("sp") > 1:
         return 0.0
-    heads = m.n_heads / spec.deg("tp") / (sp if sp > 1 and not ring else 1)
-    b = min(512, spec.local_seq if ring else spec.seq)
-    tiles = 2 * sp if ring else 4
-    return tiles * spec.micro_batch * heads * b * b * 4
+    b = min(512, spec.seq)
+    return 4 * spec.micro_batch * spec.model.n_heads / spec.deg("tp") * b * b * 4
 
 
 def estimate(spec) -> Memory:

@@ -24,7 +24,7 @@ The weight gradients are reduced over sp as over a data axis (`dp.py`).
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Comm
+from jaxscale.strategies.common import Comm, Term
 
 NAME = "sp"
 AVAILABLE = True
@@ -115,9 +115,27 @@ def collectives(spec) -> list[Comm]:
                  "Ulysses: q, k, v, out forward and backward", group=sp)]
 
 
-def memory(spec) -> list:
-    """None of its own: the activation split is in the per-layer table (`activations.split`)."""
-    return []
+def memory(spec) -> list[Term]:
+    """The activation split is in the per-layer table (`activations.split`); here the attention's
+    fp32 backward tiles ([micro-batch, heads, b, b], b = min(512, keys)). Ulysses: 4 of them over
+    the whole sequence on its heads / sp, when the inner attention is blockwise. Ring and
+    all-gather visit one pair of sequence shards per hop, unrolled: XLA:CPU keeps 2 tiles of
+    each of the sp hops until their gradients merge (read from its buffer assignments; on a GPU
+    the hop is the Pallas kernel, tiles on chip)."""
+    sp = spec.deg("sp")
+    if sp == 1:
+        return []
+    heads = spec.model.n_heads / spec.deg("tp")
+    if spec.context == "ulysses":
+        if spec.attention != "blockwise":
+            return []
+        b, tiles, heads = min(512, spec.seq), 4, heads / sp
+    elif spec.device_kind == "cpu" or spec.attention == "blockwise":
+        b, tiles = min(512, spec.local_seq), 2 * sp
+    else:
+        return []
+    return [Term("backward", tiles * spec.micro_batch * heads * b * b * 4,
+                 "context-parallel attention's backward tiles")]
 
 
 def label(spec) -> list[str]:
