@@ -46,11 +46,9 @@ def bubble_fraction(spec) -> float:
     p, m = spec.deg("pp"), max(1, spec.accumulate)
     if p == 1:
         return 0.0
-    if spec.schedule == "interleaved":
-        return (p - 1) / (spec.virtual_stages * m)
-    if spec.schedule == "zb-h1":
-        return (p - 1) / (3 * m)
-    return (p - 1) / m
+    from jaxscale.pipeline_schedules import formula_bubble
+    b = formula_bubble(spec.schedule, p, m, virtual(spec), validate=False)
+    return b / (1 - b)        # idle / makespan -> idle / compute: (p - 1) / m for 1F1B
 
 
 def active(spec) -> bool:
