@@ -192,7 +192,10 @@ def _digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
+def make_meta(cfg, state, step: int, last_row: dict | None = None,
+              layer_order: list[int] | None = None) -> dict:
+    """What a checkpoint says about itself; `layer_order`: the stored order of the stacked layers
+    when it is not the model's (interleaved pipelines, `strategies.pp.layer_order`)."""
     from jaxscale import config as config_lib
     meta = {
         "version": META_VERSION,
@@ -209,6 +212,8 @@ def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
         "time": time.time(),
         "checksums": checksums(state),
     }
+    if layer_order is not None:
+        meta["layer_order"] = list(layer_order)
     meta["digest"] = _digest(meta)
     return meta
 
@@ -398,8 +403,11 @@ def _first_line(e: Exception) -> str:
     return line.split(" See full TensorStore details")[0][:300]
 
 
-def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state):
-    """(checkpointer, state, meta, notes) for the newest finalized checkpoint in `directory`."""
+def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
+                   layer_order: list[int] | None = None):
+    """(checkpointer, state, meta, notes) for the newest finalized checkpoint in `directory`, its
+    stacked layers moved into `layer_order` (this plan's stored order; None: the model's) from
+    the order it was saved in."""
     listing = require_resumable(directory)
     ckpt = Checkpointer(directory, ckpt_cfg)
     step = listing.latest
@@ -410,4 +418,5 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state):
     if restored != step:
         raise CorruptCheckpointError(
             f"checkpoint {Path(directory) / str(step)} holds state.step={restored}, not {step}")
-    return ckpt, state, meta, notes
+    from jaxscale.train.pipeline import reorder
+    return ckpt, reorder(state, meta.get("layer_order"), layer_order), meta, notes

@@ -344,17 +344,36 @@ class Llama(nnx.Module):
                  block_wrapper: Callable | None = None, return_aux: bool = False):
         """tokens [B, T] int -> logits [B, T, vocab] in float32; with `return_aux`, (logits,
         the mixture-of-experts statistics of `moe.summarise`: {} for a dense model)."""
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-        inv_freq = rope_frequencies(cfg)
+        x = self.embed_tokens(tokens_BT)
+        x, stats = self.blocks(x, positions_BT, segment_ids_BT, block_wrapper)
+        logits = self.logits(x)
+        if not return_aux:
+            return logits
+        if not stats:
+            return logits, {}
+        from jaxscale.models.moe import summarise
+        return logits, summarise(jax.tree.map(lambda *a: jnp.concatenate(a), *stats))
+
+    # The three parts of the forward, which a pipeline runs on different stages.
+    def embed_tokens(self, tokens_BT):
+        """tokens [B, T] -> the residual stream [B, T, D] in the compute dtype."""
         # The table is read whole along `embed` (gathered, as any FSDP weight at use); only a
         # vocabulary split survives, which makes the lookup a masked gather plus one all-reduce.
         table_VD = constrain(self.embed[...], "vocab", None)
-        x = constrain(embed_lookup(table_VD, tokens_BT).astype(dt), "batch", "seq", "embed")
-        x = constrain(x, "batch", "norm_seq", "embed")
+        x = constrain(embed_lookup(table_VD, tokens_BT).astype(jnp.dtype(self.cfg.dtype)),
+                      "batch", "seq", "embed")
+        return constrain(x, "batch", "norm_seq", "embed")
+
+    def blocks(self, x_BTD, positions_BT=None, segment_ids_BT=None,
+               block_wrapper: Callable | None = None, rows: tuple[int, int] | None = None):
+        """The residual stream through the layers (`rows=(start, n)`: only the stacked layers
+        start..start+n-1, a pipeline stage's share) -> (x, router statistics: a list, [] if
+        dense)."""
+        cfg = self.cfg
+        B, T = x_BTD.shape[:2]
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        inv_freq = rope_frequencies(cfg)
 
         def block_fn(x, block_state, graphdef):
             return nnx.merge(graphdef, block_state)(x, positions_BT, segment_ids_BT, inv_freq)
@@ -362,22 +381,24 @@ class Llama(nnx.Module):
         wrap = block_wrapper or (lambda f: f)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
+            if rows is not None:
+                state = jax.tree.map(lambda a: a[rows[0]:rows[0] + rows[1]], state)
             body = wrap(lambda x, st: block_fn(x, st, graphdef))
-            x, stats = jax.lax.scan(body, x, state)       # stats: each leaf stacked [L, ...]
-            stats = [stats] if stats else []
-        else:
-            stats = []
-            for blk in self.layers:
-                graphdef, state = nnx.split(blk)
-                x, st = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x, state)
-                stats += [jax.tree.map(lambda a: a[None], st)] if st else []
-        x = self.norm(x)
-        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, "batch", "seq", "vocab")
-        if not return_aux:
-            return logits
-        if not stats:
-            return logits, {}
-        from jaxscale.models.moe import summarise
-        return logits, summarise(jax.tree.map(lambda *a: jnp.concatenate(a), *stats))
+            x_BTD, stats = jax.lax.scan(body, x_BTD, state)    # stats: leaves stacked [L, ...]
+            return x_BTD, [stats] if stats else []
+        if rows is not None:
+            raise ValueError("a share of the layers (rows=) needs model.scan_layers=true")
+        stats = []
+        for blk in self.layers:
+            graphdef, state = nnx.split(blk)
+            x_BTD, st = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x_BTD, state)
+            stats += [jax.tree.map(lambda a: a[None], st)] if st else []
+        return x_BTD, stats
+
+    def logits(self, x_BTD):
+        """The final norm and the LM head: [B, T, D] -> logits [B, T, vocab] in float32."""
+        x = self.norm(x_BTD)
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(jnp.dtype(self.cfg.dtype)),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, "batch", "seq", "vocab")

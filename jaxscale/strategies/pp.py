@@ -15,13 +15,12 @@ forward and its gradient backward, point to point (collective-permute over `pp`)
 """
 from __future__ import annotations
 
+from jaxscale.pipeline_schedules import NAMES
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "pp"
-AVAILABLE = False
-UNAVAILABLE = ("mesh.pp={pp}: pipeline parallelism is not available yet; set mesh.pp=1 and give "
-               "the devices to dp, fsdp or tp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+AVAILABLE = True
+SCHEDULES = NAMES
 
 
 def virtual(spec) -> int:
@@ -51,6 +50,17 @@ def bubble_fraction(spec) -> float:
     return b / (1 - b)        # idle / makespan -> idle / compute: (p - 1) / m for 1F1B
 
 
+def layer_order(spec) -> list[int] | None:
+    """Stored row -> model layer of the stacked layers under this plan; None for the model's
+    own order. Interleaving (v > 1) stores device d's chunks c = 0..v-1 (stages c p + d) in its
+    contiguous share of rows, so the layers axis can stay a plain split over pp."""
+    p, v = spec.deg("pp"), virtual(spec)
+    if p == 1 or v == 1:
+        return None
+    per = spec.model.n_layers // (p * v)
+    return [(c * p + d) * per + i for d in range(p) for c in range(v) for i in range(per)]
+
+
 def active(spec) -> bool:
     return spec.deg("pp") > 1
 
@@ -59,18 +69,22 @@ def problems(spec) -> list[str]:
     p, errs = spec.deg("pp"), []
     if p == 1:
         return errs
-    if spec.schedule not in SCHEDULES:
-        errs.append(f"plan.schedule={spec.schedule!r}: valid are {', '.join(SCHEDULES)}")
-    if spec.virtual_stages < 1:
-        errs.append(f"plan.virtual_stages={spec.virtual_stages} must be >= 1")
-    stages = p * virtual(spec)
-    if spec.model.n_layers < stages:
-        errs.append(f"model.n_layers={spec.model.n_layers} is fewer than the {stages} pipeline "
-                    f"stages (pp={p}" + (f" x virtual={virtual(spec)}" if stages != p else "")
-                    + ")")
-    if spec.schedule == "interleaved" and spec.accumulate % p:
-        errs.append(f"the interleaved schedule needs the micro-batch count (plan.accumulate="
-                    f"{spec.accumulate}) to be a multiple of pp={p}")
+    from jaxscale import pipeline_schedules as ps
+    try:
+        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages,
+                 spec.model.n_layers)
+    except ValueError as e:
+        errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
+    if not spec.model.scan_layers:
+        errs.append("mesh.pp>1 splits the stacked layers: set model.scan_layers=true")
+    for what, bad in (("sequence or context parallelism (mesh.sp>1)", spec.deg("sp") > 1),
+                      ("expert parallelism (mesh.ep>1)", spec.deg("ep") > 1),
+                      ("a mixture-of-experts model", spec.moe),
+                      ("plan.remat=offload", spec.remat == "offload"),
+                      ("host offload (plan.offload)", spec.offload != "none")):
+        if bad:
+            errs.append(f"mesh.pp={p} with {what} is not supported yet: set mesh.pp=1, or drop "
+                        f"{what.split(' (')[0]}")
     return errs
 
 

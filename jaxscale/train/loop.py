@@ -42,7 +42,7 @@ from jaxscale import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, load_corpus
-from jaxscale.strategies import precision
+from jaxscale.strategies import pp, precision
 from jaxscale.train.setup import build
 from jaxscale.train.step import MOE_METRICS
 
@@ -192,9 +192,10 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     cfg = config_lib.replace_resolved_mesh(cfg, setup.placement.mesh_cfg)
     ckdir = ckpt_lib.directory_for(cfg, out)
     start, notes = 0, []
+    order = pp.layer_order(setup.placement.spec)
     if resume:
         ckpt, state, meta, notes = ckpt_lib.restore_latest(ckdir, cfg.ckpt, cfg,
-                                                           setup.abstract_state())
+                                                           setup.abstract_state(), order)
         start = meta["step"]
         _say(f"jaxscale train: resumed from {ckdir / str(start)} (step {start}, data position "
              f"{meta['data_position']})")
@@ -236,7 +237,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
 
     def save(step_no: int) -> None:
         if step_no not in saved:
-            ckpt.save(step_no, state, ckpt_lib.make_meta(cfg, state, step_no, row))
+            ckpt.save(step_no, state, ckpt_lib.make_meta(cfg, state, step_no, row, order))
             saved.add(step_no)
 
     try:

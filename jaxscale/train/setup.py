@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from jaxscale import plan as plan_lib
 from jaxscale.strategies import precision, remat
-from jaxscale.strategies import sp as sp_lib
 from jaxscale.train import state as state_lib
 from jaxscale.train import step as step_lib
 
@@ -87,7 +86,6 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
                                          donate=cfg.plan.donate if donate is None else donate)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, placement, dev_sh.params),
                                        host_sh, placement)
-    grads_fn = step_lib.make_grads_fn(model, cfg.plan.accumulate, wrapper,
-                                      sp_lib.batch_layout(placement.spec))
+    grads_fn = step_lib.plan_grads_fn(model, placement, cfg.plan.accumulate, wrapper)
     return Setup(cfg, placement, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
                  eval_step, grads_fn)

@@ -164,10 +164,16 @@ def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainSt
 
 def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState, placement,
                seed: int) -> TrainState:
-    """Create the train state directly in its shards (and memory kinds)."""
+    """Create the train state directly in its shards (and memory kinds), its stacked layers in
+    the plan's stored order (`strategies.pp.layer_order`)."""
+    from jaxscale.strategies.pp import layer_order
+    from jaxscale.train.pipeline import reorder
+    order = layer_order(placement.spec)
+
+    def fresh(k):
+        return reorder(_fresh(model, optimizer, policy, k), None, order)
     with jax.set_mesh(placement.mesh):
-        return jax.jit(lambda k: _fresh(model, optimizer, policy, k), out_shardings=shardings)(
-            jax.random.key(seed))
+        return jax.jit(fresh, out_shardings=shardings)(jax.random.key(seed))
 
 
 def state_bytes(abstract: TrainState) -> dict[str, dict[str, float]]:

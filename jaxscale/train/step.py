@@ -24,7 +24,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxscale.axes import use_rules
-from jaxscale.strategies import accumulate, offload, sp
+from jaxscale.strategies import accumulate, offload, pp, sp
 from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
 from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_spec,
                                   named_shardings)
@@ -100,11 +100,21 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
 
 
+def plan_grads_fn(model: FunctionalModel, placement, k: int = 1,
+                  block_wrapper: Callable | None = None, with_stats: bool = False):
+    """`make_grads_fn` for the plan: through the pipeline engine when mesh.pp > 1 (its k
+    micro-batches are the schedule's m), with context parallelism's token layout when sp > 1."""
+    if pp.active(placement.spec):
+        from jaxscale.train import pipeline
+        fn = pipeline.make_grads_fn(model, placement, block_wrapper)
+        return fn if with_stats else (lambda *a: fn(*a)[:3])
+    return make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec), with_stats)
+
+
 def make_train_step(model: FunctionalModel, optimizer, schedule, placement, policy,
                     lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
-    grads_fn = make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec),
-                             with_stats=True)
+    grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True)
     grads_sh = named_shardings(placement, lay.specs.grads)
     param_index = jax.tree.unflatten(jax.tree.structure(model.abstract_params),
                                      range(len(jax.tree.leaves(model.abstract_params))))
@@ -167,6 +177,14 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
 
 def make_eval_step(model: FunctionalModel, placement, device_param_sh):
     layout = sp.batch_layout(placement.spec)
+    if pp.active(placement.spec):
+        from jaxscale.train import pipeline
+        loss_fn = pipeline.make_grads_fn(model, placement, forward_only=True)
+
+        def pipelined(params, batch):
+            with use_rules(placement.mesh, placement.rules):
+                return loss_fn(jax.device_put(params, device_param_sh), batch)
+        return pipelined
 
     def eval_step(params, batch):
         with use_rules(placement.mesh, placement.rules):
