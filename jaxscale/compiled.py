@@ -30,9 +30,10 @@ def _axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
     return tuple(mesh.axis_names[i] for i in varying)
 
 
-def census(text: str, mesh: Mesh) -> list[dict]:
-    """Collectives of a compiled HLO module, aggregated by (kind, axes)."""
-    mod = hlo.Module(text)
+def census(text: str, mesh: Mesh, branch_share: list[float] | None = None) -> list[dict]:
+    """Collectives of a compiled HLO module, aggregated by (kind, axes) (`branch_share`: see
+    `hlo.Module`)."""
+    mod = hlo.Module(text, branch_share)
     agg: dict[tuple, dict] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "wire_bytes": 0.0})
     n_dev = mesh.devices.size
     for ins in mod.instrs:
@@ -78,13 +79,13 @@ def memory(compiled) -> dict:
     return d
 
 
-def flops(compiled, text: str | None = None) -> dict:
+def flops(compiled, text: str | None = None, branch_share: list[float] | None = None) -> dict:
     """Matmul FLOPs per device per step from the HLO (loop-aware; dots, cuBLAS and cuDNN custom
     calls, Triton gemm fusions: `hlo.matmul_flops`), and XLA's own estimate."""
     text = text or compiled.as_text()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    by_source = hlo.matmul_flops(hlo.Module(text))
+    by_source = hlo.matmul_flops(hlo.Module(text, branch_share))
     return {"dot_flops": sum(by_source.values()), "matmul_flops_by_source": by_source,
             "xla_cost_analysis_flops": float((ca or {}).get("flops", 0.0))}
 
@@ -166,10 +167,14 @@ def report(cfg, devices=None) -> dict:
     text = compiled.as_text()
     placement = setup.placement
     n_dev = placement.mesh.devices.size
-    fl = flops(compiled, text)
+    share = None
+    if placement.spec.deg("pp") > 1:    # a device runs one pipeline op per tick, not all of them
+        from jaxscale.train.pipeline import program_for
+        share = program_for(placement.spec).branch_share()
+    fl = flops(compiled, text, share)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     fl["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / n_dev
-    observed = census(text, placement.mesh)
+    observed = census(text, placement.mesh, share)
     backend = "cpu" if jax.default_backend() == "cpu" else "gpu"
     spec = placement.spec
     if backend == "cpu" or spec.device_kind == "cpu":     # the theory of the backend compiled for

@@ -65,9 +65,14 @@ def nbytes(shape_list) -> float:
 
 
 class Module:
-    """A parsed HLO module: instructions per computation and each computation's run count."""
+    """A parsed HLO module: instructions per computation and each computation's run count.
 
-    def __init__(self, text: str):
+    A `conditional` runs one of its branches: each is counted as running every time, unless
+    `branch_share` gives, for conditionals with that many branches, the fraction of the runs each
+    branch takes (the pipeline engine's switch per tick: `train.pipeline.Program.branch_share`,
+    averaged over the devices, which run different branches at the same tick)."""
+
+    def __init__(self, text: str, branch_share: list[float] | None = None):
         self.instrs: list[Instr] = []
         self.defs: dict = {}    # (computation, name) -> Instr, and name -> first Instr so named
         self.entry = None
@@ -95,7 +100,10 @@ class Module:
                                            and trip) else 1
                 edges[comp].append((callee, n))
             for b in _BRANCHES.findall(ins.rest):
-                edges[comp] += [(c.strip().lstrip("%"), 1) for c in b.split(",") if c.strip()]
+                names = [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
+                share = branch_share if branch_share and len(branch_share) == len(names) \
+                    else [1] * len(names)
+                edges[comp] += list(zip(names, share))
         self.unknown_trip = [i.name for i in self.instrs
                              if i.opcode == "while" and not _TRIP.search(i.rest)]
         self.runs = self._propagate(edges)

@@ -101,6 +101,10 @@ def flops(spec) -> Flops:
         # combine's backward needs every expert output (`jaxscale.strategies.ep`)
         down = 2 * m.dim * m.ffn_dim * rows + 2 * m.dim * m.moe_experts / 3
         rec += tokens * down * share * spec.stage_layers / t
+    if p > 1 and spec.schedule == "zb-h1":
+        # the W pass re-runs the stage's input-gradient chain (projections, MLP and both
+        # attention matmuls) and any remat replay: JAX's vjp does not split per matmul
+        rec += tokens * (per_layer + parts["attention"]) * spec.stage_layers / t + rec
     model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
         rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t

@@ -109,6 +109,24 @@ MOE = {
                        "plan.accumulate=2", "data.batch_size=16"),
     "dp2xep4 zero1": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4", "plan.zero=1"),
 }
+#: pipeline plans (4 layers): every schedule, composed with fsdp, tp, dp + ZeRO, bf16 and remat
+PIPELINE = {
+    "pp2xfsdp4 gpipe m4": ("mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1",
+                           "plan.schedule=gpipe", "plan.accumulate=4", "data.batch_size=16"),
+    "pp2xfsdp4 1f1b m4": ("mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1",
+                          "plan.schedule=1f1b", "plan.accumulate=4", "data.batch_size=16"),
+    "pp2xfsdp2xtp2 interleaved v2 m4": ("mesh.dp=1", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
+                                        "plan.schedule=interleaved", "plan.virtual_stages=2",
+                                        "plan.accumulate=4", "data.batch_size=16"),
+    "pp4xfsdp2 zb-h1 m4": ("mesh.dp=1", "mesh.pp=4", "mesh.fsdp=2", "mesh.tp=1",
+                           "plan.schedule=zb-h1", "plan.accumulate=4", "data.batch_size=16"),
+    "dp2xpp2xtp2 naive zero1 bf16": ("mesh.dp=2", "mesh.pp=2", "mesh.fsdp=1", "mesh.tp=2",
+                                     "plan.schedule=naive", "plan.zero=1",
+                                     "plan.precision=bf16"),
+    "dp2xpp2xtp2 gpipe m2 zero1 bf16 remat=full": (
+        "mesh.dp=2", "mesh.pp=2", "mesh.fsdp=1", "mesh.tp=2", "plan.schedule=gpipe",
+        "plan.accumulate=2", "plan.zero=1", "plan.precision=bf16", "plan.remat=full"),
+}
 #: name -> overrides on top of `tiny_config()`: every plan the planner is checked against the
 #: compiler on (`experiments/planner_validation.py`); extend as strategies land.
 CASES: dict[str, tuple[str, ...]] = {
@@ -146,4 +164,5 @@ CASES: dict[str, tuple[str, ...]] = {
     "dp2xfsdp2xtp2 bf16 remat=save_dots": (*PLANS["dp2xfsdp2xtp2"], "plan.precision=bf16",
                                            "plan.remat=save_dots"),
     **{f"{name} moe": (*ov, "model.moe_experts=8") for name, ov in MOE.items()},
+    **{f"{name}": (*ov, "model.n_layers=4") for name, ov in PIPELINE.items()},
 }

@@ -22,6 +22,7 @@ import math
 from collections import defaultdict
 
 from jaxscale.axes import MESH_AXES
+from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm
 
 NAME = "dp"
@@ -73,10 +74,11 @@ def collectives(spec) -> list[Comm]:
             what[key].append(text)
 
     for leaf in leaves(spec.model):
-        reps = (int(L) if leaf.stacked else 1) * k       # reduced once per micro-batch
+        # reduced once per micro-batch (outside the layers: on the pipeline stage using it)
+        reps = int(L) * k if leaf.stacked else pp.outer_runs(spec, leaf)
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
-        gathered = leaf.local_size(spec, drop=("fsdp",)) * pb * k   # all layers when stacked
+        gathered = leaf.local_size(spec, drop=("fsdp",)) * pb * (k if leaf.stacked else reps)
         if leaf.use in ("norm", "embedding", "router"):
             if replica:
                 add("all-reduce", replica, gathered, reps,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "fsdp"
@@ -56,6 +57,12 @@ def collectives(spec) -> list[Comm]:
         return []
     k, pb = max(1, spec.accumulate), spec.wire_param_itemsize
     n = math.prod(spec.deg(a) for a in axes)
+    # outside the layers: gathered once per step, or with pipelining on its stage once per
+    # micro-batch
+    pipelined = spec.deg("pp") > 1
+
+    def runs(leaf):
+        return pp.outer_runs(spec, leaf) if pipelined else 1
     layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
     for leaf in leaves(spec.model):
@@ -67,12 +74,12 @@ def collectives(spec) -> list[Comm]:
             count_b += int(spec.stage_layers if leaf.stacked else 1)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
         elif leaf.path == "head":
-            outer_f += size
-            head = size
+            outer_f += size * runs(leaf)
+            head = size * runs(leaf)
         else:
-            outer_f += size
+            outer_f += size * runs(leaf)
             if leaf.use != "embedding":
-                outer_b += size
+                outer_b += size * runs(leaf)
                 count_b += 1
     out = [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
                 "parameters, forward", group=n, overlap=True),
@@ -84,6 +91,10 @@ def collectives(spec) -> list[Comm]:
         # for the backward serve the replay too)
         out.append(Comm("all-gather", axes, norms * k, 2 * spec.stage_layers * k,
                         "RMSNorm scales again for the rematerialised forward", group=n,
+                        overlap=True))
+    if pipelined and spec.schedule == "zb-h1":
+        out.append(Comm("all-gather", axes, layer_b * k, count_b * k, "layer parameters again "
+                        "for the weight-gradient pass (W) of each micro-batch", group=n,
                         overlap=True))
     if head:
         out.append(Comm("all-gather", axes, head, 1, "LM head, backward (XLA may reuse the "

@@ -28,16 +28,12 @@ def virtual(spec) -> int:
 
 
 def in_flight(spec) -> float:
-    """Micro-batches whose activations a pipeline stage holds at its peak."""
-    p, m = spec.deg("pp"), max(1, spec.accumulate)
-    if p == 1:
+    """Micro-batches whose activations (residuals) a device holds at its peak, in units of its
+    whole share of the layers: the engine's residual slots (`train.pipeline.Program`) over v."""
+    if spec.deg("pp") == 1:
         return 1.0
-    if spec.schedule == "gpipe":
-        return float(m)
-    base = float(min(m, p))
-    if spec.schedule == "interleaved":
-        return base * (1 + (p - 1) / (p * spec.virtual_stages))
-    return base
+    from jaxscale.train.pipeline import program_for
+    return program_for(spec).slots["res"] / virtual(spec)
 
 
 def bubble_fraction(spec) -> float:
@@ -94,29 +90,53 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
+    """Per tick of the engine's loop (`train.pipeline`), one activation forward and one gradient
+    backward (sent in every tick, zeros when a device has nothing to send); at the end, the
+    gradients of the weights outside the layers (embedding, final norm, head: replicated over pp,
+    each used on one stage) summed over pp in fp32."""
     p = spec.deg("pp")
     if p == 1:
         return []
-    k, v = max(1, spec.accumulate), virtual(spec)
-    act = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize / (
-        spec.deg("tp") if spec.sequence_parallel else 1)
-    return [Comm("collective-permute", ("pp",), 2 * k * v * act, 2 * k * v,
-                 "stage boundary: activations forward, their gradients backward", group=p,
-                 overlap=True)]
+    from jaxscale.planner.params import leaves
+    from jaxscale.train.pipeline import program_for
+    prog = program_for(spec)
+    act = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
+    return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
+                 f"stage boundary, {prog.ticks} ticks: activations forward, their gradients "
+                 f"backward ({prog.useful_sends} of the sends carry data)", group=p, overlap=True),
+            Comm("all-reduce", ("pp",), outer, 1, "gradients of the embedding, final norm and "
+                 "head (fp32), from the stages that use them", group=p)]
+
+
+def outer_runs(spec, leaf=None) -> float:
+    """How often per step, averaged over the devices, the embedding or the head runs (and their
+    collectives with it): once per micro-batch (m), or with pipelining only on the first or last
+    stage, m / p; a tied embedding's gradient (`leaf`) comes from both stages, 2 m / p."""
+    k, p = max(1, spec.accumulate), spec.deg("pp")
+    if p == 1:
+        return k
+    tied = leaf is not None and leaf.use == "embedding" and spec.model.tie_embeddings
+    return k / p * (2 if tied else 1)
 
 
 def memory(spec) -> list[Term]:
-    """The activations of the other micro-batches in flight on the busiest stage."""
-    extra = in_flight(spec) - 1
-    if not extra:
+    """Beyond the one micro-batch's activations the model counts: the residuals of the other
+    micro-batches in flight, plus the one just computed (a stage's forward returns it out of the
+    engine's switch before it is written to its slot); and the stage-boundary slots (activations
+    received, gradients received or to send), one [micro-batch, seq, dim] each."""
+    if spec.deg("pp") == 1:
         return []
     from jaxscale.planner.activations import of_spec
-    la = of_spec(spec)
+    from jaxscale.train.pipeline import program_for
+    slots, v, la = program_for(spec).slots, virtual(spec), of_spec(spec)
+    extra = (slots["res"] + 1) / v - 1
+    stream = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
     out = [Term("activations", la.saved * spec.stage_layers * extra,
-                f"{in_flight(spec):g} micro-batches in flight ({spec.schedule})")]
-    if la.host:
-        out.append(Term("host", la.host * spec.stage_layers * extra,
-                        "offloaded activations of the other micro-batches", part="activations"))
+                f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
+                f"and of the one being stored"),
+           Term("activations", stream * (slots["act"] + slots["grad"]),
+                "stage-boundary slots: activations and gradients received")]
     return out
 
 

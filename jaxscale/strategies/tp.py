@@ -18,6 +18,7 @@ reduce-scatter + all-gather pair of the same total bytes.
 """
 from __future__ import annotations
 
+from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "tp"
@@ -60,7 +61,8 @@ def collectives(spec) -> list[Comm]:
     act = _activation_bytes(spec)
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
     fwd, bwd = (2 + redo) * L * k, 5 * L * k
-    stats = 3 * spec.micro_batch * spec.local_seq * 4 * k
+    ko = pp.outer_runs(spec)             # embedding and head: on their pipeline stage
+    stats = 3 * spec.micro_batch * spec.local_seq * 4 * ko
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
         rs = dict(group=t, cpu_kind="all-reduce")
         rows = [Comm("reduce-scatter", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
@@ -71,9 +73,9 @@ def collectives(spec) -> list[Comm]:
                      "gradients and the norm outputs again for the weight gradients (4 backward) "
                      "per layer (a rematerialised forward's gathers take the place of the "
                      "latter)", group=t),
-                Comm("all-gather", ("tp",), 2 * act * k, 2 * k,
+                Comm("all-gather", ("tp",), 2 * act * ko, 2 * ko,
                      "final norm output into the LM head, forward and backward", group=t),
-                Comm("reduce-scatter", ("tp",), 2 * act * k, 2 * k,
+                Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
     else:
         extra, moe_redo = _expert_extra(spec)      # MoE layers: their MLP's on the slot buffer
@@ -82,9 +84,9 @@ def collectives(spec) -> list[Comm]:
                      f"block activations: {2 + redo} forward + 5 backward per layer"
                      + (" (a MoE layer's MLP ones on its slot buffer)" if extra else ""),
                      group=t, minimum=(fwd + 2 * L * k) * act),
-                Comm("all-reduce", ("tp",), 2 * act * k, 2 * k,
+                Comm("all-reduce", ("tp",), 2 * act * ko, 2 * ko,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t)]
-    rows.append(Comm("all-reduce", ("tp",), stats, 3 * k,
+    rows.append(Comm("all-reduce", ("tp",), stats, 3 * ko,
                      "softmax max, sum and target logit over the vocabulary", group=t))
     return rows
 

@@ -83,9 +83,25 @@ class Program:
         return len(self.table)
 
     @property
+    def forward_only(self) -> bool:
+        return all(b[0] in ("idle", "F") for b in self.branches)
+
+    @property
     def permutes(self) -> int:
-        """Collective-permutes per step: the ticks with a forward plus those with a backward send."""
+        """Collective-permutes per step: one forward (and one backward) per tick."""
+        return self.ticks * (1 if self.forward_only else 2)
+
+    @property
+    def useful_sends(self) -> int:
+        """Ticks in which some device has an activation (or gradient) to send: the permutes an
+        unrolled engine would issue (the tick loop sends zeros in the others)."""
         return sum(map(bool, self.send_fwd)) + sum(map(bool, self.send_bwd))
+
+    def branch_share(self) -> list[float]:
+        """Per branch, the fraction of (tick, device) slots it fills: how often the switch runs it,
+        averaged over the devices (`hlo.Module`'s `branch_share`)."""
+        b = self.table[..., 0]
+        return [float(np.mean(b == i)) for i in range(len(self.branches))]
 
 
 class _Pool:
@@ -244,8 +260,23 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
         x_shape = jax.eval_shape(lambda mb: embed(outer, mb), mb0)
         res_shapes = [] if forward_only else jax.eval_shape(stage_vjp, chunk(0), x_shape, mb0)[1]
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
-        buf = {"act": zeros(prog.slots["act"], x_shape), "grad": zeros(prog.slots["grad"], x_shape),
-               "res": [zeros(prog.slots["res"], s) for s in res_shapes]}
+        along = placement.rules.spec(("batch", "norm_seq", "embed"))     # on the shard_map's mesh
+        batch_axes = along[0]
+
+        def residual_buffer(n, s):
+            """Slots for one residual: split like the batch where a dimension is the batch's (a
+            stacked residual is [layers, batch, ...]), so each device keeps only its rows."""
+            spec = [None] * (s.ndim + 1)
+            for i in (1, 2):
+                if s.ndim >= i and s.shape[i - 1] == x_shape.shape[0]:
+                    spec[i] = batch_axes
+                    break
+            return jax.lax.with_sharding_constraint(zeros(n, s), P(*spec))
+
+        stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
+                                                            P(None, *along))
+        buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
+               "res": [residual_buffer(prog.slots["res"], s) for s in res_shapes]}
         acc = {"layers": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
                "outer": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
                "loss": jnp.zeros((), jnp.float32), "tokens": jnp.zeros((), jnp.float32)}
@@ -256,50 +287,49 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
                 return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), tree, g)
             return jax.tree.map(lambda a, b: a.at[rows].add(b.astype(jnp.float32)), tree, g)
 
-        def vjp_from_slot(lay, res_bufs, slot):
-            kept = iter([r[slot] for r in res_bufs])
-            weights = jax.tree.leaves(lay)
+        def rebuild_vjp(lay, kept):
+            kept, weights = iter(kept), jax.tree.leaves(lay)
             leaves = [weights[w] if w is not None else next(kept) for w in probe["where"]]
             return jax.tree.unflatten(probe["tree"], leaves)
 
         def branch(kind, c, first, last):
+            """One op, reading the buffers at its slots (j, inp, r, out), returning the values to
+            write back at slots r and out (written outside: a switch returning whole buffers
+            copies them), the accumulators and what to send forward and backward."""
             rows = slice(c * Ls, (c + 1) * Ls)
 
-            def run(args, buf, acc):
-                j, inp, res, out = args
+            def run(idx, buf, acc):
+                j, inp, r, out = idx
                 mb = micro_batch(j)
+                res = [b[r] for b in buf["res"]]               # unchanged unless F writes them
+                g_store = buf["grad"][out]
                 send_f = send_b = no_send
-                if kind == "idle":
-                    return buf, acc, send_f, send_b
                 if kind == "F":
                     x = embed(outer, mb) if first else buf["act"][inp]
                     if forward_only:
                         y = stage(chunk(c), x, mb)
                     else:
-                        y, kept = stage_vjp(chunk(c), x, mb)
-                        buf = {**buf, "res": [r.at[res].set(k) for r, k in zip(buf["res"], kept)]}
+                        y, res = stage_vjp(chunk(c), x, mb)
                     if not last:
-                        return buf, acc, y, send_b
+                        return res, g_store, acc, y, send_b
                     if forward_only:
                         _, (total, n) = head_loss(outer, y, mb)
                     else:
                         (_, (total, n)), (g_out, g_y) = jax.value_and_grad(
                             head_loss, (0, 1), has_aux=True)(outer, y, mb)
                         acc = {**acc, "outer": add(acc["outer"], g_out)}
-                        buf = {**buf, "grad": buf["grad"].at[out].set(g_y.astype(x.dtype))}
+                        g_store = g_y.astype(x.dtype)
                     acc = {**acc, "loss": acc["loss"] + total, "tokens": acc["tokens"] + n}
-                    return buf, acc, send_f, send_b
-                f_vjp = vjp_from_slot(chunk(c), buf["res"], res)
-                g_lay, g_x = f_vjp(buf["grad"][inp])
-                if kind in ("B", "W") and not (kind == "B" and split):
-                    acc = {**acc, "layers": add(acc["layers"], g_lay, rows)}
-                if kind == "B":
-                    if first:
+                elif kind in ("B", "W"):
+                    g_lay, g_x = rebuild_vjp(chunk(c), res)(buf["grad"][inp])
+                    if kind == "W" or not split:
+                        acc = {**acc, "layers": add(acc["layers"], g_lay, rows)}
+                    if kind == "B" and first:
                         _, e_vjp = jax.vjp(lambda o: embed(o, mb), outer)
                         acc = {**acc, "outer": add(acc["outer"], e_vjp(g_x)[0])}
-                    else:
+                    elif kind == "B":
                         send_b = g_x.astype(no_send.dtype)
-                return buf, acc, send_f, send_b
+                return res, g_store, acc, send_f, send_b
             return run
 
         split = prog.schedule.split_backward
@@ -315,8 +345,12 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
         def tick(carry, rows):
             buf, acc = carry
             row = rows[d]
-            args = tuple(jnp.maximum(row[col[f]], 0) for f in ("mb", "inp", "res", "out"))
-            buf, acc, send_f, send_b = jax.lax.switch(row[col["branch"]], fns, args, buf, acc)
+            idx = tuple(jnp.maximum(row[col[f]], 0) for f in ("mb", "inp", "res", "out"))
+            res, g_store, acc, send_f, send_b = jax.lax.switch(row[col["branch"]], fns, idx, buf,
+                                                               acc)
+            _, _, r, out = idx
+            buf = {"act": buf["act"], "grad": buf["grad"].at[out].set(g_store),
+                   "res": [b.at[r].set(x) for b, x in zip(buf["res"], res)]}
             buf = receive(buf, "act", jax.lax.ppermute(send_f, "pp", ring_f), row[col["recv_act"]])
             if not forward_only:
                 buf = receive(buf, "grad", jax.lax.ppermute(send_b, "pp", ring_b),
