@@ -1,0 +1,204 @@
+"""The pipeline engine over pp (`jaxscale.train.pipeline`): every schedule's loss and gradients equal
+the unpipelined model's with fsdp and tp on the same mesh; the compiled collective-permutes and
+memory against the planner (GPipe growing with m, 1F1B flat); a checkpoint written under an
+interleaved pp=2 plan restored at pp=1; a composed plan (dp, tp, ZeRO-1, bf16, remat) training
+as the same plan without pp does; clear errors for plans the engine cannot run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxscale import compiled, plan, planner
+from jaxscale.axes import use_rules
+from jaxscale.strategies import pp
+from jaxscale.train import pipeline
+from jaxscale.train.setup import build
+from tests.helpers import tiny_config
+
+L = 8                                  # layers: divisible by every p x v below
+BASE = (f"model.n_layers={L}", "data.batch_size=16", "mesh.dp=1")
+
+
+def _batch(B=16, T=32, seed=0):
+    rng = np.random.default_rng(seed)
+    b = {"inputs": rng.integers(0, 300, (B, T)), "targets": rng.integers(0, 300, (B, T))}
+    b = {k: v.astype(np.int32) for k, v in b.items()}
+    mask = np.ones((B, T), np.float32)
+    mask[3, 5:] = 0                    # padding: the token mean must not count it
+    return {**b, "mask": mask}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Parameters (model order, on the host), and their unpipelined gradients and loss."""
+    s = build(tiny_config(*BASE, "mesh.fsdp=8", "mesh.tp=1"))
+    params = s.init_state().params
+    grads, loss, ntok = s.jit_grads()(params, _batch())
+    return jax.device_get(params), jax.device_get(grads), float(loss), float(ntok)
+
+
+def _pipelined_grads(overrides, params):
+    s = build(tiny_config(*BASE, *overrides))
+    order = pp.layer_order(s.placement.spec)
+    local = jax.device_put(pipeline.reorder(params, None, order), s.device_shardings.params)
+    grads, loss, ntok = s.jit_grads()(local, _batch())
+    return jax.device_get(pipeline.reorder(grads, order, None)), float(loss), float(ntok), s
+
+
+SCHEDULES = {   # p, m, v over the same 8 devices as fsdp x tp
+    "naive p4 tp2": ("mesh.pp=4", "mesh.fsdp=1", "mesh.tp=2", "plan.schedule=naive"),
+    "gpipe p2 m4 fsdp4": ("mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1", "plan.schedule=gpipe",
+                          "plan.accumulate=4"),
+    "1f1b p2 m8 fsdp2 tp2": ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=1f1b",
+                             "plan.accumulate=8"),
+    "1f1b p4 m8 tp2": ("mesh.pp=4", "mesh.fsdp=1", "mesh.tp=2", "plan.schedule=1f1b",
+                       "plan.accumulate=8"),
+    "interleaved p2 m4 v2 fsdp2 tp2": ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
+                                       "plan.schedule=interleaved", "plan.virtual_stages=2",
+                                       "plan.accumulate=4"),
+    "zb-h1 p4 m4 fsdp2": ("mesh.pp=4", "mesh.fsdp=2", "mesh.tp=1", "plan.schedule=zb-h1",
+                          "plan.accumulate=4"),
+}
+
+
+@pytest.mark.parametrize("case", SCHEDULES)
+def test_schedule_matches_the_unpipelined_model(case, reference):
+    params, want, loss_ref, ntok_ref = reference
+    got, loss, ntok, _ = _pipelined_grads(SCHEDULES[case], params)
+    assert ntok == ntok_ref == 16 * 32 - 27
+    assert loss == pytest.approx(loss_ref, rel=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = _leaf(want, path)
+        scale = float(np.max(np.abs(w)))
+        assert scale > 0, jax.tree_util.keystr(path)           # every gradient is non-trivial
+        np.testing.assert_allclose(g, w, atol=1e-5 * scale, rtol=0,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree
+
+
+def test_interleaved_layer_order_round_trips():
+    spec = plan.Spec.from_config(tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=4",
+                                             "plan.schedule=interleaved", "plan.virtual_stages=2",
+                                             "plan.accumulate=4"))
+    # device 0 holds stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
+    assert pp.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
+    tree = {"layers": {"w": np.arange(L)}, "embed": np.arange(3)}
+    moved = pipeline.reorder(tree, None, pp.layer_order(spec))
+    assert list(moved["layers"]["w"]) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert list(pipeline.reorder(moved, pp.layer_order(spec), None)["layers"]["w"]) == list(
+        range(L))
+    assert pp.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
+
+
+# ----------------------------------------------------------------------------- census, memory
+@pytest.fixture(scope="module")
+def reports():
+    """Compiled train steps of GPipe and 1F1B, pp=2 x fsdp=4, m = 2 and 4 (seq 64)."""
+    out = {}
+    for name in ("gpipe", "1f1b"):
+        for m in (2, 4):
+            cfg = tiny_config("model.n_layers=4", "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4",
+                              "mesh.tp=1", f"plan.schedule={name}", f"plan.accumulate={m}",
+                              f"data.batch_size={4 * m}", "data.seq_len=64")
+            out[name, m] = cfg, compiled.report(cfg)
+    return out
+
+
+def test_permutes_and_pipeline_all_reduce_match_the_formula(reports):
+    for (name, m), (cfg, rep) in reports.items():
+        spec = plan.Spec.from_config(cfg)
+        prog = pipeline.program_for(spec)
+        row = next(r for r in rep["collectives"]
+                   if r["kind"] == "collective-permute" and r["axes"] == ["pp"])
+        act = 1 * 64 * 128 * 4                       # a micro-batch's row per device, [1, T, D]
+        assert row["count"] == prog.permutes == 2 * prog.ticks
+        assert row["bytes"] == prog.permutes * act
+        assert prog.ticks == 2 * (m + 2 - 1)           # GPipe and 1F1B: 2 (m + p - 1) ticks
+        assert prog.useful_sends < prog.permutes       # the loop also sends in idle ticks
+        for r in rep["theory"]:                        # every row, the census's own comparison
+            assert r["theory_bytes"] == pytest.approx(r["census_bytes"], rel=0.02), (name, m, r)
+
+
+def test_gpipe_memory_grows_with_m_and_1f1b_stays_flat(reports):
+    temp = {k: rep["memory"]["temp"] for k, (_, rep) in reports.items()}
+    one_res = temp["gpipe", 4] - temp["gpipe", 2]      # two more micro-batches' residuals
+    assert one_res > 0.25 * temp["gpipe", 2]
+    assert abs(temp["1f1b", 4] - temp["1f1b", 2]) < 0.01 * temp["1f1b", 2]
+    assert temp["gpipe", 4] > 1.3 * temp["1f1b", 4]
+    for (name, m), (cfg, rep) in reports.items():
+        pred = planner.predict(cfg).memory.xla["temp"]
+        assert pred == pytest.approx(rep["memory"]["temp"], rel=0.10), (name, m)
+
+
+def test_flops_are_the_model_flops(reports):
+    """A device runs one op per tick: the census weighs the switch's branches by the schedule."""
+    for (name, m), (cfg, rep) in reports.items():
+        assert planner.predict(cfg).flops.per_device == pytest.approx(
+            rep["flops"]["dot_flops"], rel=0.01)
+
+
+# ----------------------------------------------------------------------------- composition
+def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
+    from jaxscale import checkpoint as ckpt_lib
+    pp_cfg = tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.precision=bf16",
+                         "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4")
+    s = build(pp_cfg)
+    order = pp.layer_order(s.placement.spec)
+    state = s.init_state()
+    ck = ckpt_lib.Checkpointer(tmp_path, pp_cfg.ckpt)
+    ck.save(0, state, ckpt_lib.make_meta(pp_cfg, state, 0, None, order))
+    ck.wait()
+    ck.close()
+    one_cfg = tiny_config(*BASE, "mesh.fsdp=8", "mesh.tp=1", "plan.precision=bf16")
+    one = build(one_cfg)
+    _, restored, meta, _ = ckpt_lib.restore_latest(tmp_path, one_cfg.ckpt, one_cfg,
+                                                   one.abstract_state(), None)
+    assert meta["layer_order"] == order
+    fresh = jax.device_get(one.init_state())          # the same seed in the model's order
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(a, b)
+    batch = _batch(8)
+    with jax.set_mesh(one.placement.mesh):
+        want = one.eval_step(restored.params, batch)
+    with jax.set_mesh(s.placement.mesh):
+        got = s.eval_step(state.params, batch)          # the forward-only pipeline program
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=2e-3)
+    assert float(got[1]) == float(want[1])
+
+
+def test_composed_plan_trains_like_the_same_plan_without_pp():
+    common = ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=2", "plan.precision=bf16", "plan.zero=1",
+              "plan.remat=full", "plan.accumulate=2", "model.n_layers=4", "data.batch_size=8")
+    losses = {}
+    for name, extra in (("pp", ("mesh.pp=2", "plan.schedule=1f1b")), ("flat", ("mesh.dp=4",))):
+        s = build(tiny_config(*common, *extra))
+        state, out = s.init_state(), []           # the same values: one seed, the model's order
+        with jax.set_mesh(s.placement.mesh):
+            for i in range(3):
+                state, metrics = s.train_step(state, jax.device_put(_batch(8, 32, i),
+                                                                    s.batch_shardings()))
+                out.append(float(metrics["loss"]))
+        losses[name] = out
+    assert losses["pp"][-1] < losses["pp"][0]
+    np.testing.assert_allclose(losses["pp"], losses["flat"], rtol=2e-2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("mesh.pp=2", "mesh.fsdp=4", "model.n_layers=3"),
+     "model.n_layers=3 is not divisible by the 2 pipeline stages"),
+    (("mesh.pp=2", "mesh.fsdp=4", "plan.schedule=interleaved", "plan.virtual_stages=2",
+      "plan.accumulate=4", "model.n_layers=6"),
+     r"not divisible by the 4 pipeline stages \(p x v = 2 x 2 = 4\)"),
+    (("mesh.pp=4", "mesh.fsdp=2", "plan.schedule=zb-h1", "plan.accumulate=2"),
+     r"plan.schedule=zb-h1 needs at least as many micro-batches as pipeline stages: m=2 < p=4"),
+    (("mesh.pp=2", "mesh.fsdp=2", "mesh.sp=2"), "mesh.pp=2 with sequence or context parallelism"),
+    (("mesh.pp=2", "mesh.fsdp=4", "model.scan_layers=false"), "set model.scan_layers=true"),
+])
+def test_plans_the_engine_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        plan.validate(tiny_config(*BASE, "mesh.tp=1", *overrides), 8)
