@@ -1,4 +1,4 @@
-"""`jaxscale train | inspect | launch` (more subcommands arrive with their capabilities)."""
+"""`jaxscale train | inspect | plan | profile | bench | launch | tokenizer train | data prepare`."""
 from __future__ import annotations
 
 import argparse
@@ -101,6 +101,79 @@ def cmd_bench(args) -> int:
     raise ValueError(f"unknown benchmark {args.what!r}; valid: collectives")
 
 
+def _count(text: str) -> int | None:
+    """A count such as 4096, 16e6 or 64e3 (no fractions)."""
+    f = float(text)
+    return int(f) if f.is_integer() else None
+
+
+def _human(n: float) -> str:
+    return next(f"{n / 1024**i:.1f} {u}" for i, u in enumerate(["B", "KiB", "MiB", "GiB", "TiB"])
+                if n < 1024 ** (i + 1) or u == "TiB")
+
+
+def cmd_tokenizer(args) -> int:
+    """`jaxscale tokenizer train`: a byte-level BPE on local text, saved as tokenizer.json."""
+    import time
+    from jaxscale import data, documents, fields, tokenizer
+    fields.raise_problems(data.source_problems(args.source) + [
+        e for e in [fields.dir_problem(args.out, "--out")] if e])
+    files = data.corpus_files(args.source)
+    fields.raise_problems(documents.check_files(files, args.format, args.text_field)
+                          if args.source != "stdlib" else [])
+    texts = [t for _, t in documents.iter_documents(files, args.format, args.text_field,
+                                                    args.max_bytes)]
+    if not texts:
+        raise ValueError(f"--source {args.source!r}: no text to train on")
+    t0 = time.time()
+    tok = tokenizer.train_bpe(texts, args.vocab, args.out)
+    secs = time.time() - t0
+    sample = texts[: max(1, len(texts) // 20)]
+    n_bytes = sum(len(t.encode()) for t in sample)
+    n_tok = sum(len(ids) for ids in tok.encode_batch(sample))
+    total = sum(len(t.encode()) for t in texts)
+    print(f"trained a byte-level BPE of {tok.vocab_size} tokens on {_human(total)} "
+          f"({len(texts)} documents) in {secs:.1f} s: {n_bytes / max(n_tok, 1):.2f} bytes/token\n"
+          f"saved {tok.path}; use it with --set data.tokenizer={tok.path} "
+          f"--set model.vocab_size={-(-tok.vocab_size // 64) * 64}")
+    return 0
+
+
+def cmd_data(args) -> int:
+    """`jaxscale data prepare`: tokenize the configured source once into shards + manifest."""
+    from jaxscale import data, documents, fields, shards, tokenizer
+    cfg = _load(args)
+    out = args.out or cfg.data.shards
+    errs = [] if out else ["give --out DIR or --set data.shards=DIR (where the shards go)"]
+    errs += [e for e in [fields.dir_problem(out, "--out")] if e] if out else []
+    errs += data.source_problems(cfg.data.source)
+    if not errs and cfg.data.source != "stdlib":
+        errs += documents.check_files(data.corpus_files(cfg.data.source), cfg.data.format,
+                                      cfg.data.text_field)
+    try:
+        tok = tokenizer.load(cfg.data.tokenizer)
+    except ValueError as e:
+        errs.append(str(e))
+    fields.raise_problems(errs)
+
+    def progress(n):
+        print(f"\r  {_human(n)} tokenized", end="", file=sys.stderr, flush=True)
+    m = shards.prepare(data.corpus_files(cfg.data.source), tok, out, cfg.data.format,
+                       cfg.data.text_field, cfg.data.heldout_fraction, args.shard_tokens,
+                       args.max_bytes, cfg.data.source, progress=progress)
+    print(file=sys.stderr)
+    for split, info in m["splits"].items():
+        print(f"{split:8s} {info['docs']:>9,} documents {info['n_tokens']:>13,} tokens "
+              f"in {len(info['shards'])} shard(s)")
+    n_tok = sum(info["n_tokens"] for info in m["splits"].values())
+    print(f"{_human(m['text_bytes'])} of text -> {m['tokenizer']['kind']} tokens "
+          f"({m['text_bytes'] / max(1, n_tok):.2f} bytes/token) in {m['seconds']:.1f} s; "
+          f"manifest {out}/manifest.json\n"
+          f"train on it with --set data.shards={out}" +
+          ("" if cfg.data.tokenizer == "bytes" else f" --set data.tokenizer={cfg.data.tokenizer}"))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from jaxscale.planner.cli import run
     return run(args)
@@ -144,6 +217,33 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("what", help="collectives")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
     be.set_defaults(func=cmd_bench)
+    tk = sub.add_parser("tokenizer", help="tokenizer train: a byte-level BPE on local text "
+                        "(the stdlib sources by default), saved as tokenizer.json")
+    tk_sub = tk.add_subparsers(dest="action", required=True)
+    tt = tk_sub.add_parser("train", help="train a byte-level BPE (Hugging Face tokenizers)")
+    tt.add_argument("--vocab", type=arg(lo=259, note="256 bytes + 3 specials"), required=True,
+                    help="vocabulary size, specials included (e.g. 4096)")
+    tt.add_argument("--source", default="stdlib",
+                    help="'stdlib' or comma-separated globs (default stdlib)")
+    tt.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
+                    help="how files hold documents (default: by suffix)")
+    tt.add_argument("--text-field", default="text", help="jsonl field / parquet column")
+    tt.add_argument("--max-bytes", type=arg(lo=1, parse=_count), default=16_000_000,
+                    help="text to train on, at most (default 16e6)")
+    tt.add_argument("--out", default="runs/tokenizer",
+                    help="directory for tokenizer.json (default runs/tokenizer)")
+    tt.set_defaults(func=cmd_tokenizer)
+    da = sub.add_parser("data", help="data prepare: tokenize data.source once into on-disk "
+                        "shards for streamed, packed training (data.shards)")
+    da_sub = da.add_subparsers(dest="action", required=True)
+    dp = da_sub.add_parser("prepare", help="write token shards + manifest.json")
+    common(dp)
+    dp.add_argument("--out", help="shards directory (default: data.shards)")
+    dp.add_argument("--shard-tokens", type=arg(lo=1, parse=_count), default=64 * 2**20,
+                    help="tokens per shard file, about (default 64Mi)")
+    dp.add_argument("--max-bytes", type=arg(lo=1, parse=_count), default=None,
+                    help="stop after this much text (default: all of it)")
+    dp.set_defaults(func=cmd_data)
     la = sub.add_parser("launch", help="run a command in several local processes "
                         "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")
     la.add_argument("--processes", type=arg(lo=1), default=2,

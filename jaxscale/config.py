@@ -17,7 +17,7 @@ from pathlib import Path
 from jaxscale import fields
 from jaxscale import meshes
 from jaxscale import models
-from jaxscale.data import ByteTokenizer, source_problems
+from jaxscale.documents import FORMATS
 from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
@@ -35,8 +35,25 @@ class DataConfig:
     seq_len: int = positive(128)
     batch_size: int = positive(16)    # global batch, in sequences
     heldout_fraction: float = ranged(0.05, above=0, below=1)
-    max_bytes: int = positive(16_000_000)   # cap on corpus bytes read
+    max_bytes: int = positive(16_000_000)   # cap on corpus bytes read (in-memory path)
     seed: int = nonneg(0)
+    tokenizer: str = "bytes"          # "bytes" | tokenizer.json | SentencePiece .model |
+                                      # .tiktoken | Hugging Face directory (jaxscale.tokenizer)
+    format: str = one_of("auto", *FORMATS)   # how files hold documents: auto (by suffix) |
+                                      # text (a file each) | jsonl (a line each) | parquet (a row)
+    text_field: str = "text"          # the jsonl field / parquet column holding the text
+    shards: str = ""                  # "" : windows of the in-memory corpus (default); else a
+                                      # directory from `jaxscale data prepare`: streamed, packed
+
+    def relations(self) -> list[str]:
+        errs = []
+        if not self.tokenizer.strip():
+            errs.append("data.tokenizer='': give 'bytes' or the path of a tokenizer file or "
+                        "Hugging Face directory")
+        if not self.text_field.strip():
+            errs.append("data.text_field='': name the jsonl field or parquet column that holds "
+                        "the text (e.g. text)")
+        return errs
 
 
 @dataclass(frozen=True)
@@ -128,15 +145,13 @@ def run_directory(cfg: Config, out=None) -> str:
 
 
 def data_problems(cfg: Config) -> list[str]:
-    """What stops a command that reads the training data: every `data.source` glob must match a
-    file, and the model's vocabulary must hold the tokenizer's ids (a model loaded with its own
-    vocabulary, e.g. from Hugging Face, is fine until it is fed this data)."""
-    errs = source_problems(cfg.data.source)
-    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
-        errs.append(f"model.vocab_size={cfg.model.vocab_size}: must be >= "
-                    f"{ByteTokenizer.vocab_size}, the byte tokenizer's vocabulary (256 bytes + "
-                    f"PAD, BOS, EOS); smaller, the data's token ids fall outside the embedding")
-    return errs
+    """What stops a command that reads the training data (`jaxscale.data.problems`): every
+    `data.source` glob must match a file, files must be non-empty and hold `data.text_field`,
+    the tokenizer and `data.shards` must be readable and agree, and the model's vocabulary must
+    hold the tokenizer's ids (a model loaded with its own vocabulary, e.g. from Hugging Face, is
+    fine until it is fed this data)."""
+    from jaxscale.data import problems
+    return problems(cfg.data, cfg.model.vocab_size)
 
 
 def path_problems(cfg: Config, out, out_key: str, checkpoints: bool = False,

@@ -318,14 +318,18 @@ class Loaded:
     cfg: Any            # jaxscale.config.Config with the checkpoint's model
     placement: Any      # the mesh and rules the params are sharded for (jaxscale.plan.Placement)
     params: dict
+    tokenizer: Any = None   # the directory's tokenizer (`jaxscale.tokenizer`), None if it has none
 
 
 def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
     """Read a Hugging Face LLaMA or Mixtral directory onto the mesh of `cfg` (a
     `jaxscale.config.Config`; default: the default Config, i.e. its mesh preset, whose `ep` degree
     shards Mixtral's experts) with the plan's parameter shardings.
-    `model_overrides` set jaxscale-only model fields (`scan_layers`, `attention`, `dtype`)."""
+    `model_overrides` set jaxscale-only model fields (`scan_layers`, `attention`, `dtype`).
+    A tokenizer.json / tokenizer.model in the directory becomes `Loaded.tokenizer` and
+    `cfg.data.tokenizer`, checked against the model's vocabulary."""
     from jaxscale import plan as plan_lib
+    from jaxscale import tokenizer as tokenizer_lib
     from jaxscale.config import Config
     from jaxscale.train.state import FunctionalModel
     ckpt = Checkpoint(path)
@@ -333,9 +337,16 @@ def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
     keep = {k: getattr(cfg.model, k) for k in ("scan_layers", "attention", "dtype", "param_dtype")}
     model_cfg = config_from_hf(ckpt.hf_config, **{**keep, **model_overrides})
     cfg = dataclasses.replace(cfg, model=model_cfg)
+    tok = tokenizer_lib.from_directory(path)
+    if tok is not None:
+        bad = tokenizer_lib.vocab_problem(tok.vocab_size, model_cfg.vocab_size, str(tok.path))
+        if bad:
+            raise ValueError(f"{path}: config.json's vocab_size {model_cfg.vocab_size} is smaller "
+                             f"than its tokenizer's vocabulary ({tok.vocab_size}): {bad}")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tok.path)))
     placement = plan_lib.place(cfg, devices)
     shardings = FunctionalModel(model_cfg).param_shardings(placement)
-    return Loaded(cfg, placement, load_params(ckpt, model_cfg, shardings))
+    return Loaded(cfg, placement, load_params(ckpt, model_cfg, shardings), tok)
 
 
 # ----------------------------------------------------------------------------- export

@@ -60,14 +60,13 @@ def find_leak(rows: list[dict], warmup: int) -> dict | None:
 def profile(cfg, steps: int = 6, out: Path | None = None, warmup: int = 2,
             hook: Callable | None = None) -> dict:
     """Run `steps` train steps under the profiler; `hook(step, state, metrics)` runs after each."""
-    from jaxscale.data import Batches, load_corpus
+    from jaxscale.data import make_batches
     from jaxscale.train.setup import build
 
     out = Path(out or f"runs/{cfg.name}_profile")
     out.mkdir(parents=True, exist_ok=True)
     setup = build(cfg)
-    corpus = load_corpus(cfg.data)
-    batches = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed)
+    batches, _ = make_batches(cfg.data)
     sh = setup.batch_shardings()
     state = setup.init_state()
     rows, seen = [], None

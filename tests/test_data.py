@@ -40,3 +40,26 @@ def test_custom_text_files(tmp_path):
         load_corpus(DataConfig(source=str(tmp_path / "*.md")))
     with pytest.raises(ValueError, match="fewer than seq_len"):
         load_corpus(DataConfig(source=str(tmp_path / "*.txt"), seq_len=2000))
+
+
+def test_make_batches_default_is_the_in_memory_windows(tmp_path):
+    from jaxscale.data import make_batches
+    cfg = DataConfig(max_bytes=300_000, seq_len=32, batch_size=4)
+    train, held = make_batches(cfg)
+    c = load_corpus(cfg)
+    for got, want in ((train, Batches(c.train, 4, 32, 0)), (held, Batches(c.heldout, 4, 32, 0, 1))):
+        assert all(np.array_equal(got.global_rows(2)[k], want.global_rows(2)[k])
+                   for k in ("inputs", "targets", "mask"))
+    with pytest.raises(ValueError, match="data.shards='x' is set"):
+        load_corpus(DataConfig(shards="x"))
+
+
+def test_jsonl_documents_in_memory(tmp_path):
+    import json
+    lines = [{"text": f"record {i} héllo " * 20, "meta": i} for i in range(30)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    c = load_corpus(DataConfig(source=str(tmp_path / "*.jsonl"), seq_len=16))
+    toks = np.concatenate([c.train, c.heldout])
+    docs = np.split(toks, np.flatnonzero(toks == ByteTokenizer.BOS)[1:])
+    assert len(docs) == 30 and len(c.heldout) > 0                # a record is a document
+    assert sorted(ByteTokenizer().decode(d) for d in docs) == sorted(r["text"] for r in lines)

@@ -79,8 +79,9 @@ def batch_layout(spec):
     perm = layout_permutation(spec.seq, spec.deg("sp"))
 
     def apply(batch: dict) -> dict:
-        out = {key: x[:, perm] for key, x in batch.items()}
-        out["positions"] = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), out["inputs"].shape)
+        out = {key: x[:, perm] for key, x in batch.items()}     # packed positions: permuted
+        if "positions" not in out:
+            out["positions"] = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), out["inputs"].shape)
         return out
     return apply
 

@@ -41,7 +41,7 @@ import numpy as np
 from jaxscale import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
-from jaxscale.data import Batches, load_corpus
+from jaxscale.data import Batches, make_batches
 from jaxscale.strategies import pp, precision
 from jaxscale.train.setup import build
 from jaxscale.train.step import MOE_METRICS
@@ -208,9 +208,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         config_lib.save(cfg, out / "config.json")
-    corpus = load_corpus(cfg.data)
-    train_b = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed)
-    eval_b = Batches(corpus.heldout, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed, 1)
+    train_b, eval_b = make_batches(cfg.data)
     n_dev = jax.device_count()
     compute = precision.compute_dtype(cfg.plan)
 

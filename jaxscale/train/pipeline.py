@@ -62,8 +62,6 @@ def _is_layers(path) -> bool:
 
 # ----------------------------------------------------------------------------- the tick table
 IDLE = 0
-#: what a micro-batch may carry into the pipeline (positions, segment ids: packed documents)
-BATCH_KEYS = ("inputs", "targets", "mask", "positions", "segment_ids")
 FIELDS = ("branch", "mb", "inp", "res", "out", "recv_act", "recv_grad")
 
 
@@ -364,7 +362,6 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
         return {**jax.lax.psum(acc["outer"], "pp"), "layers": acc["layers"]}, loss, tokens
 
     def run(params, batch, scale):
-        batch = {k: val for k, val in batch.items() if k in BATCH_KEYS}
         out_specs = (P(), P()) if forward_only else (param_spec, P(), P())
         return jax.shard_map(body, mesh=mesh, in_specs=(param_spec, {k: P() for k in batch}, P()),
                              out_specs=out_specs, axis_names={"pp"}, check_vma=False)(

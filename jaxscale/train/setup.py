@@ -53,14 +53,19 @@ class Setup:
         return state_lib.abstract_state(self.model, self.optimizer, self.policy,
                                         self.state_shardings)
 
+    @property
+    def packed(self) -> bool:
+        """Whether batches carry packed documents' positions and segment ids (`data.shards`)."""
+        return bool(self.cfg.data.shards)
+
     def abstract_batch(self) -> dict:
         B, T = self.cfg.data.batch_size, self.cfg.data.seq_len
-        sh = step_lib.batch_shardings(self.placement)
-        dt = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct((B, T), dt[k], sharding=sh[k]) for k in dt}
+        return {k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32,
+                                        sharding=sh)
+                for k, sh in self.batch_shardings().items()}
 
     def batch_shardings(self) -> dict:
-        return step_lib.batch_shardings(self.placement)
+        return step_lib.batch_shardings(self.placement, self.packed)
 
     def lower_train_step(self):
         with jax.set_mesh(self.placement.mesh):
@@ -82,10 +87,12 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     wrapper = remat.block_wrapper(cfg.plan.remat)
     train_fn = step_lib.make_train_step(model, optimizer, schedule, placement, pol, lay, dev_sh,
                                         host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper)
+    packed = bool(cfg.data.shards)
     train_step = step_lib.jit_train_step(train_fn, host_sh, placement,
-                                         donate=cfg.plan.donate if donate is None else donate)
+                                         donate=cfg.plan.donate if donate is None else donate,
+                                         packed=packed)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, placement, dev_sh.params),
-                                       host_sh, placement)
+                                       host_sh, placement, packed)
     grads_fn = step_lib.plan_grads_fn(model, placement, cfg.plan.accumulate, wrapper)
     return Setup(cfg, placement, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
                  eval_step, grads_fn)

@@ -30,13 +30,19 @@ from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_
                                   named_shardings)
 
 
-def batch_logical(seq: str | None = "seq") -> dict[str, tuple[str | None, ...]]:
-    return {"inputs": ("batch", seq), "targets": ("batch", seq), "mask": ("batch", seq)}
+#: a batch's arrays, all [B, T]; packed documents (`data.shards`) add per-document positions (RoPE)
+#: and segment ids (attention within a document)
+BATCH_KEYS = ("inputs", "targets", "mask")
+PACKED_KEYS = ("positions", "segment_ids")
 
 
-def batch_shardings(placement) -> dict[str, NamedSharding]:
+def batch_logical(seq: str | None = "seq", packed: bool = False) -> dict[str, tuple]:
+    return {k: ("batch", seq) for k in BATCH_KEYS + (PACKED_KEYS if packed else ())}
+
+
+def batch_shardings(placement, packed: bool = False) -> dict[str, NamedSharding]:
     seq = sp.batch_seq_axis(placement.spec)
-    return {k: placement.sharding(v) for k, v in batch_logical(seq).items()}
+    return {k: placement.sharding(v) for k, v in batch_logical(seq, packed).items()}
 
 
 def token_loss(logits_BTV, targets_BT, mask_BT):
@@ -66,11 +72,12 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
     def sum_loss(params, batch, factor, reg_tokens):
         if not moe:
             logits = model.apply(params, batch["inputs"], batch.get("positions"),
-                                 block_wrapper=block_wrapper)
+                                 batch.get("segment_ids"), block_wrapper=block_wrapper)
             total, n = token_loss(logits, batch["targets"], batch["mask"])
             return total * factor, (total, n)
-        logits, aux = model.module(params)(batch["inputs"], batch.get("positions"), None,
-                                           block_wrapper, return_aux=True)
+        logits, aux = model.module(params)(batch["inputs"], batch.get("positions"),
+                                           batch.get("segment_ids"), block_wrapper,
+                                           return_aux=True)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
         reg = model.cfg.moe_aux_weight * aux["aux_loss"] + model.cfg.moe_z_weight * aux["z_loss"]
         stats = tuple(aux[key] for key in ("aux_loss", "z_loss", "dropped", "routed"))
@@ -190,18 +197,19 @@ def make_eval_step(model: FunctionalModel, placement, device_param_sh):
         with use_rules(placement.mesh, placement.rules):
             batch = layout(batch) if layout else batch
             logits = model.apply(jax.device_put(params, device_param_sh), batch["inputs"],
-                                 batch.get("positions"))
+                                 batch.get("positions"), batch.get("segment_ids"))
         return token_loss(logits, batch["targets"], batch["mask"])
     return eval_step
 
 
-def jit_train_step(step_fn, state_sh: TrainState, placement, donate: bool = True):
-    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(placement)),
+def jit_train_step(step_fn, state_sh: TrainState, placement, donate: bool = True,
+                   packed: bool = False):
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(placement, packed)),
                    out_shardings=(state_sh, placement.replicated()),
                    donate_argnums=(0,) if donate else ())
 
 
-def jit_eval_step(eval_fn, state_sh: TrainState, placement):
-    return jax.jit(eval_fn, in_shardings=(state_sh.params, batch_shardings(placement)),
+def jit_eval_step(eval_fn, state_sh: TrainState, placement, packed: bool = False):
+    return jax.jit(eval_fn, in_shardings=(state_sh.params, batch_shardings(placement, packed)),
                    out_shardings=placement.replicated())
 

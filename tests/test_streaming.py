@@ -1,0 +1,292 @@
+"""Token shards and the streamed, packed pipeline: formats (text, jsonl, parquet), every document
+once per epoch across processes, exact resume, packed losses equal to one-by-one losses, flat
+memory on a corpus larger than a memory cap, and clear errors before training."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxscale import shards, tokenizer
+from jaxscale.config import Config, DataConfig, data_problems
+from jaxscale.data import make_batches
+from jaxscale.stream import Chunks, PackedBatches, pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "alpha beta gamma délta ε ζήτα 日本語 código naïve jax 🙂 loss step".split()
+
+
+def _docs(n: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [f"doc{i:04d} " + " ".join(rng.choice(WORDS, rng.integers(lo, hi))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Documents in three formats: 60 jsonl lines, 40 parquet rows, 3 text files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    d = tmp_path_factory.mktemp("corpus")
+    docs = _docs(103)
+    (d / "a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                                       for i, t in enumerate(docs[:60])))
+    pq.write_table(pa.table({"text": docs[60:100], "n": list(range(40))}), d / "b.parquet",
+                   row_group_size=16)
+    for i, t in enumerate(docs[100:]):
+        (d / f"c{i}.txt").write_text(t)
+    return d, docs
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    d, docs = corpus
+    out = tmp_path_factory.mktemp("shards")
+    files = sorted(d.iterdir())
+    shards.prepare(files, tokenizer.ByteTokenizer(), out, heldout_fraction=0.1,
+                   shard_tokens=1500, source=str(d / "*"))
+    return out, docs
+
+
+def _all_docs(out, split="train", tok=None) -> list[str]:
+    src = shards.TokenShards(out, split)
+    tok = tok or tokenizer.ByteTokenizer()
+    return [tok.decode(src[i][1:-1]) for i in range(len(src))]
+
+
+def test_prepare_reads_every_format_and_round_trips(prepared, corpus, tmp_path):
+    out, docs = prepared
+    m = shards.read_manifest(out)
+    assert m["splits"]["train"]["docs"] + m["splits"]["heldout"]["docs"] == len(docs)
+    assert len(m["splits"]["train"]["shards"]) > 1 and m["dtype"] == "<u2"
+    assert 0 < m["splits"]["heldout"]["docs"] < 30
+    assert sorted(_all_docs(out) + _all_docs(out, "heldout")) == sorted(docs)
+    # through a trained BPE as well (non-ASCII text survives the shards)
+    bpe = tokenizer.train_bpe(docs, 300, tmp_path / "tok")
+    shards.prepare(sorted(corpus[0].iterdir()), bpe, tmp_path / "s")
+    assert sorted(_all_docs(tmp_path / "s", tok=bpe) + _all_docs(tmp_path / "s", "heldout",
+                                                                  tok=bpe)) == sorted(docs)
+
+
+def test_chunks_cover_a_long_document():
+    doc = np.arange(23)
+    ex = Chunks(8).flat_map(doc)
+    assert [len(e["inputs"]) for e in ex] == [8, 8, 6]
+    assert np.array_equal(np.concatenate([e["inputs"] for e in ex]), doc[:-1])
+    assert np.array_equal(np.concatenate([e["targets"] for e in ex]), doc[1:])
+
+
+def _segments(rows) -> list[tuple]:
+    """Each packed segment as its document's tokens (inputs + the last target)."""
+    out = []
+    for r in rows:
+        for b in range(r["inputs"].shape[0]) if r["inputs"].ndim == 2 else [None]:
+            inp, tgt, seg = ((r["inputs"], r["targets"], r["inputs_segment_ids"]) if b is None
+                             else (r["inputs"][b], r["targets"][b], r["inputs_segment_ids"][b]))
+            for s in np.unique(seg[seg > 0]):
+                out.append(tuple(inp[seg == s]) + (tgt[seg == s][-1],))
+    return out
+
+
+def test_two_processes_see_every_document_once_per_epoch(prepared):
+    out, _ = prepared
+    src = shards.TokenShards(out, "train")
+    docs = sorted(tuple(src[i]) for i in range(len(src)))
+    seen = [_segments(pipeline(src, 256, 4, seed=5, process_index=p, process_count=2,
+                               batch=False, epochs=1)) for p in range(2)]
+    assert abs(len(seen[0]) - len(seen[1])) <= 1
+    assert sorted(seen[0] + seen[1]) == docs                # each exactly once, none lost
+    assert not set(seen[0]) & set(seen[1])
+    # epoch 2 is a different order; a different seed too
+    two = _segments(pipeline(src, 256, 4, seed=5, batch=False, epochs=2))
+    assert sorted(two) == sorted(docs * 2) and two[:len(docs)] != two[len(docs):]
+    assert _segments(pipeline(src, 256, 4, seed=6, batch=False, epochs=1)) != two[:len(docs)]
+
+
+def test_packed_rows_carry_positions_segments_and_mask(prepared):
+    out, _ = prepared
+    r = PackedBatches(out, "train", 4, 256, seed=0, process_index=0, process_count=1).local_rows(0)
+    assert set(r) == {"inputs", "targets", "mask", "positions", "segment_ids"}
+    starts = []
+    for b in range(4):
+        seg, pos = r["segment_ids"][b], r["positions"][b]
+        assert np.array_equal(r["mask"][b], (seg > 0).astype(np.float32))
+        for s in np.unique(seg[seg > 0]):
+            assert np.array_equal(pos[seg == s], np.arange((seg == s).sum()))   # restart at 0
+            starts.append(r["inputs"][b][seg == s][0])
+    assert len(starts) > 4 and np.mean(np.equal(starts, tokenizer.ByteTokenizer.BOS)) > 0.5
+    assert r["mask"].mean() > 0.7
+
+
+def test_resume_gives_identical_batches(prepared):
+    out, _ = prepared
+
+    def make(p):
+        return PackedBatches(out, "train", 8, 48, seed=3, process_index=p, process_count=2)
+    for p in range(2):
+        a = make(p)
+        first = [a.local_rows(i) for i in range(3)]
+        state = json.loads(json.dumps(a.state()))            # what a checkpoint would hold
+        rest = [a.local_rows(i) for i in range(3, 12)]       # crosses an epoch boundary
+        b = make(p)
+        b.restore(state)
+        again = [b.local_rows(i) for i in range(3, 12)]
+        c = make(p)                                          # no state: replays to step 7
+        replay = c.local_rows(7)
+        for x, y in zip(rest, again):
+            assert all(np.array_equal(x[k], y[k]) for k in x)
+        assert all(np.array_equal(rest[4][k], replay[k]) for k in replay)
+        assert all(np.array_equal(first[1][k], c.local_rows(1)[k]) for k in replay)   # back
+    with pytest.raises(ValueError, match="process 0 of 2; this is process 1 of 2"):
+        make(1).restore(make(0).state())
+
+
+def test_packed_batch_losses_equal_one_by_one(prepared):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jaxscale.models.llama import ModelConfig
+    from jaxscale.train.state import FunctionalModel
+    out, _ = prepared
+    cfg = ModelConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                      max_seq_len=128)
+    model = FunctionalModel(cfg)
+    rng = np.random.default_rng(0)     # any weights will do (model.init is slow on 2 cores)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.3, a.shape), a.dtype),
+                          model.abstract_params)
+    r = PackedBatches(out, "train", 2, 96, seed=1, process_index=0, process_count=1).local_rows(0)
+    apply = jax.jit(model.apply)
+    logits = apply(params, jnp.asarray(r["inputs"]), jnp.asarray(r["positions"]),
+                   jnp.asarray(r["segment_ids"]))
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, r["targets"]))
+    unpacked = apply(params, jnp.asarray(r["inputs"]))    # no segments: leaks across docs
+    ce_leak = np.asarray(optax.softmax_cross_entropy_with_integer_labels(unpacked, r["targets"]))
+    want, sels = [], []                     # each document alone, at the start of a row
+    for b in range(2):
+        seg = r["segment_ids"][b]
+        for s in np.unique(seg[seg > 0]):
+            sel = seg == s
+            sels.append((b, sel))
+            want.append(np.pad(r["inputs"][b][sel], (0, 96 - sel.sum())))
+    alone = apply(params, jnp.asarray(np.stack(want)))
+    leaked = False
+    for j, (b, sel) in enumerate(sels):
+        n = int(sel.sum())
+        ref = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
+            alone[j, :n], r["targets"][b][sel]))
+        np.testing.assert_allclose(ce[b][sel], ref, rtol=2e-5, atol=2e-5)
+        leaked |= r["segment_ids"][b][sel][0] > 1 and not np.allclose(ce_leak[b][sel], ref,
+                                                                         atol=1e-4)
+    n_docs = len(sels)
+    assert n_docs >= 4 and leaked          # several documents per row, and the test can fail
+
+
+def test_make_batches_streams_with_the_steps_shardings(prepared):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    out, _ = prepared
+    cfg = DataConfig(shards=str(out), batch_size=8, seq_len=32)
+    train, held = make_batches(cfg)
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    sh = {k: NamedSharding(mesh, P("dp", None)) for k in ("inputs", "targets", "mask")}
+    batch = train.device_batch(0, sh)
+    assert set(batch) == {"inputs", "targets", "mask"} and batch["inputs"].shape == (8, 32)
+    assert held.source.split == "heldout" and held.local_rows(0)["inputs"].shape == (8, 32)
+
+
+def test_bad_inputs_are_reported_before_training(prepared, corpus, tmp_path):
+    out, _ = prepared
+    d, _ = corpus
+
+    def errs(**kw):
+        return data_problems(Config(data=DataConfig(**kw)))
+    assert "no column data.text_field='body'" in errs(source=str(d / "*.parquet"),
+                                                      text_field="body")[0]
+    [e] = errs(source=str(d / "*.jsonl"), text_field="body")
+    assert "a.jsonl:1: no field data.text_field='body'" in e and "['id', 'text']" in e
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty.txt is empty (0 bytes)" in errs(source=str(tmp_path / "*.txt"))[0]
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    assert errs(source=str(tmp_path / "bad.jsonl")) == []          # the first record is fine...
+    with pytest.raises(ValueError, match="bad.jsonl:2: not a JSON object"):
+        shards.prepare([tmp_path / "bad.jsonl"], tokenizer.ByteTokenizer(), tmp_path / "x")
+    assert not (tmp_path / "x" / "manifest.json").exists()        # ...and nothing half-written
+    assert "no such directory; write the shards first" in errs(shards=str(tmp_path / "no"))[0]
+    tok = tokenizer.train_bpe(_docs(50), 300, tmp_path / "tok")
+    [e] = errs(shards=str(out), tokenizer=str(tok.path))
+    assert "prepared with the bytes tokenizer" in e and "vocabulary 300" in e
+    shards.prepare(sorted(d.iterdir()), tok, tmp_path / "bpe")
+    cfg = Config(data=DataConfig(shards=str(tmp_path / "bpe"), tokenizer=str(tok.path)))
+    assert data_problems(cfg) == []                             # tiny's vocabulary is 320
+    import dataclasses
+    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))
+    [e] = data_problems(small)
+    assert "model.vocab_size=256: must be >= 300" in e
+
+
+def test_cli_prepare_train_tokenizer_and_refusals(corpus, tmp_path, capsys):
+    from jaxscale.cli import main
+    d, _ = corpus
+    src = f"data.source={d}/*.jsonl,{d}/*.parquet"
+    assert main(["data", "prepare", "llama_tiny", "--set", src, "--out", str(tmp_path / "s")]) == 0
+    assert shards.read_manifest(tmp_path / "s")["splits"]["train"]["docs"] > 80
+    assert main(["data", "prepare", "llama_tiny", "--set", src]) == 2     # no --out, no shards
+    assert main(["tokenizer", "train", "--vocab", "300", "--source", f"{d}/*.jsonl",
+                 "--out", str(tmp_path / "t")]) == 0
+    assert tokenizer.load(tmp_path / "t").vocab_size == 300
+    # train refuses bad data before building anything (exit 2, the message on stderr)
+    assert main(["train", "llama_tiny", "--set", f"data.shards={tmp_path / 'none'}"]) == 2
+    assert main(["train", "llama_tiny", "--set", f"data.source={d}/*.jsonl",
+                 "--set", "data.text_field=body"]) == 2
+    assert main(["train", "llama_tiny", "--set", f"data.shards={tmp_path / 's'}",
+                 "--set", f"data.tokenizer={tmp_path / 't'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no such directory; write the shards first" in err
+    assert "no field data.text_field='body'" in err and "prepared with the bytes tokenizer" in err
+
+
+FLAT = textwrap.dedent("""
+    import json, sys, numpy as np
+    from jaxscale.stream import pipeline
+    from jaxscale.shards import TokenShards
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+    src = TokenShards(sys.argv[1], "train")
+    it = iter(pipeline(src, 1024, 16, seed=0, epochs=1))
+    n, marks = 0, []
+    for i, b in enumerate(it):
+        n += int((b["targets_segment_ids"] > 0).sum())
+        if i % 50 == 0:
+            marks.append(rss())
+    print(json.dumps({"tokens": n, "rss": marks}))
+""")
+
+
+def test_streams_a_corpus_larger_than_a_memory_cap(tmp_path):
+    """21 MiB of tokens on disk; the streaming process's RSS may grow by at most 6 MiB (a memory
+    cap below the corpus size) after its first batches, and every token is read once."""
+    rng = np.random.default_rng(0)
+    words = np.array([w.encode() for w in WORDS], dtype=object)
+    (tmp_path / "src").mkdir()
+    for f in range(4):
+        docs = [b" ".join(rng.choice(words, size=rng.integers(20, 1500))).decode()
+                for _ in range(600)]
+        (tmp_path / "src" / f"{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                             for t in docs))
+    m = shards.prepare(sorted((tmp_path / "src").iterdir()), tokenizer.ByteTokenizer(),
+                       tmp_path / "s", heldout_fraction=0.01, shard_tokens=2**21)
+    size = sum(p.stat().st_size for p in (tmp_path / "s").glob("train-*.tokens"))
+    cap = 6 * 2**20
+    assert size > 3 * cap
+    r = subprocess.run([sys.executable, "-c", FLAT, str(tmp_path / "s")], capture_output=True,
+                       text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    train = m["splits"]["train"]
+    assert res["tokens"] == train["n_tokens"] - train["docs"]      # every (input, target) pair
+    rss = res["rss"]
+    half = len(rss) // 2
+    assert len(rss) > 10 and max(rss[2:]) - rss[2] < cap, [x / 2**20 for x in rss]
+    assert max(rss[half:]) - rss[half] < 2 * 2**20, [x / 2**20 for x in rss]   # flat
