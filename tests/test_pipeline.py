@@ -51,8 +51,6 @@ SCHEDULES = {   # p, m, v over the same 8 devices as fsdp x tp
                           "plan.accumulate=4"),
     "1f1b p2 m8 fsdp2 tp2": ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=1f1b",
                              "plan.accumulate=8"),
-    "1f1b p4 m8 tp2": ("mesh.pp=4", "mesh.fsdp=1", "mesh.tp=2", "plan.schedule=1f1b",
-                       "plan.accumulate=8"),
     "interleaved p2 m4 v2 fsdp2 tp2": ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
                                        "plan.schedule=interleaved", "plan.virtual_stages=2",
                                        "plan.accumulate=4"),
