@@ -1,17 +1,17 @@
 """Pipeline parallelism over the `pp` mesh axis: layers split into stages, micro-batches in flight.
 
-Not available in `train` yet: the planner predicts these plans and `--search` marks them.
-
 Rules: `layers -> pp`. The batch is split into m micro-batches (`plan.accumulate`), run through
-the stages by a schedule (`plan.schedule`): GPipe (all forwards, then all backwards), 1F1B,
-interleaved 1F1B with v virtual stages per device (`plan.virtual_stages`), ZB-H1 (the backward
-split into input- and weight-gradient work, arXiv 2401.10241). Saves: weights, gradients and
-optimizer state split p ways. Costs: the bubble, idle time relative to the ideal compute,
-(p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a third of 1F1B's for ZB-H1
-(T_F = T_B = T_W); activations of several micro-batches in flight on a stage: m for GPipe,
-min(m, p) for 1F1B and ZB-H1, min(m, p)(1 + (p - 1) / (p v)) interleaved (Korthikanti et al.,
-arXiv 2205.05198, 4.2.3). Collectives: per micro-batch and virtual stage one activation of bsh
-forward and its gradient backward, point to point (collective-permute over `pp`).
+the stages by a schedule (`plan.schedule`, `jaxscale.pipeline_schedules`): naive (one micro-batch
+at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v virtual
+stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
+weight-gradient work, arXiv 2401.10241); the engine that runs it is `jaxscale.train.pipeline`.
+Saves: weights, gradients and optimizer state split p ways. Costs: the bubble, idle time
+relative to the ideal compute, (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a
+third of 1F1B's for ZB-H1 (T_F = T_B = T_W; in this engine W repeats the in-stage backward
+chain, counted in the FLOPs); activations of several micro-batches in flight on a device (the
+engine's residual slots: m for GPipe, p for 1F1B). Collectives: per tick of the engine one
+activation forward and one gradient backward, point to point (collective-permute over `pp`);
+one fp32 all-reduce over `pp` of the embedding, final norm and head gradients.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def collectives(spec) -> list[Comm]:
     outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
     return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
                  f"stage boundary, {prog.ticks} ticks: activations forward, their gradients "
-                 f"backward ({prog.useful_sends} of the sends carry data)", group=p, overlap=True),
+                 f"backward ({prog.useful_sends} of the sends carry data)", group=p, overlap=True,
+                 minimum=prog.useful_sends * act),
             Comm("all-reduce", ("pp",), outer, 1, "gradients of the embedding, final norm and "
                  "head (fp32), from the stages that use them", group=p)]
 
