@@ -21,6 +21,7 @@ from jaxscale.documents import FORMATS
 from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
+from jaxscale.strategies.compression import METHODS as COMPRESSIONS
 from jaxscale.strategies.pp import SCHEDULES
 from jaxscale.strategies.precision import PRECISIONS
 from jaxscale.strategies.sp import CONTEXTS
@@ -81,11 +82,15 @@ class PlanConfig:
     offload: str = "none"             # none | optimizer | master | params, "+"-joined
     zero: int = ranged(0, lo=0, hi=3)  # ZeRO stage over the data-parallel devices
     check_memory: bool = True         # refuse plans the planner predicts will not fit
-    # planned, not yet trainable (`jaxscale plan` predicts them; train refuses them by name):
     context: str = one_of("ring", *CONTEXTS)      # context parallelism over mesh.sp
     sequence_parallel: bool = False   # Megatron sequence parallelism over mesh.tp
     schedule: str = one_of("1f1b", *SCHEDULES)    # pipeline schedule over mesh.pp
     virtual_stages: int = positive(1)  # virtual pipeline stages per device (interleaved)
+    compression: str = one_of("none", "none", *COMPRESSIONS)  # gradient compression over dp
+    compression_block: int = positive(256)     # elements per scale (fp8, int8, sign)
+    compression_density: float = ranged(0.01, above=0, hi=1)  # topk/threshold: share sent
+    compression_threshold: float = nonneg(0.0)  # threshold: send |g| >= this (cap: density)
+    compression_rank: int = positive(4)        # PowerSGD rank
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,15 @@ from dataclasses import dataclass, field, replace
 from jaxscale import hardware
 from jaxscale.axes import MESH_AXES, Rules
 from jaxscale.fields import raise_problems
-from jaxscale.strategies import (accumulate, dp, ep, fsdp, offload, pp, precision, remat, sp, tp,
-                                 zero)
+from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, offload, pp, precision,
+                                 remat, sp, tp, zero)
 
 #: every strategy, in the order their problems, rules, collectives and memory terms compose
-STRATEGIES = (dp, fsdp, zero, tp, sp, ep, pp, precision, accumulate, remat, offload)
+STRATEGIES = (dp, fsdp, zero, tp, sp, ep, pp, precision, accumulate, remat, offload, compression)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
-           "sequence_parallel", "schedule", "virtual_stages")
+           "sequence_parallel", "schedule", "virtual_stages", "compression", "compression_block",
+           "compression_density", "compression_threshold", "compression_rank")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class Spec:
     sequence_parallel: bool = False     # Megatron SP: the residual stream split over tp too
     schedule: str = "1f1b"              # pipeline schedule when pp > 1
     virtual_stages: int = 1             # virtual stages per device (interleaved)
+    compression: str = "none"           # gradient compression over dp (strategies/compression)
+    compression_block: int = 256
+    compression_density: float = 0.01
+    compression_threshold: float = 0.0
+    compression_rank: int = 4
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -12,10 +12,12 @@ step's Q [m, r] (identical on every device):
 
 Bytes per device per step: (n + m) r 4 in two all-reduces (census `bytes`; 2(N-1)/N that on
 the link) against n m 4 for the exact mean: ratio (n + m) r / (n m). Leaves with fewer than two
-dims (biases, norms, scalars) ride along in all-reduce #1 uncompressed, exactly. Since
+dims (biases, norms, scalars), and matrices with a dimension <= r (rank r would not compress
+them, e.g. a stack of per-layer norm scales [L, d] with L <= r), ride along in all-reduce #1
+uncompressed, exactly. Since
 mean(M_d Q) = mean(M_d) Q, the result is the rank-r projection P P^T of the *mean* gradient: a
 mean of rank <= r is reproduced exactly once Q spans its row space (the first step, for a random
-Q, almost surely). Rank r > min(n, m) is refused: the factors would cost more than the matrix.
+Q, almost surely). A rank that leaves no matrix to compress is refused.
 """
 from __future__ import annotations
 
@@ -33,24 +35,30 @@ class State(NamedTuple):
     residual: object
 
 
-def _check_rank(shape, rank: int, where: str) -> None:
+def is_matrix(shape, rank: int) -> bool:
+    """Whether a leaf of this shape is compressed at this rank (its last two dims both > rank)."""
+    return len(shape) >= 2 and min(shape[-2:]) > rank
+
+
+def _check_rank(shapes, rank: int, where: str) -> None:
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"PowerSGD rank must be an int >= 1, got rank={rank!r}")
-    if len(shape) >= 2 and rank > min(shape[-2:]):
-        raise ValueError(f"PowerSGD rank={rank} exceeds the matrix dimension: {where} has shape "
-                         f"{tuple(shape)} (matrix {shape[-2]} x {shape[-1]}, at most rank "
-                         f"{min(shape[-2:])}); lower the rank to <= {min(shape[-2:])}, or leave "
-                         f"this tensor uncompressed")
+    mats = [tuple(s) for s in shapes if len(s) >= 2]
+    if mats and not any(is_matrix(s, rank) for s in mats):
+        top = max(min(s[-2:]) for s in mats)
+        raise ValueError(f"PowerSGD rank={rank} exceeds the matrix dimension of every {where} "
+                         f"(shapes {mats[:3]}{' ...' if len(mats) > 3 else ''}: at most rank "
+                         f"{top - 1} compresses one); lower the rank to <= {top - 1}")
 
 
 def init(grads, rank: int, *, key) -> State:
     """Q ~ N(0, 1) per matrix leaf (the same `key` on every device gives the same Q), zero
     residuals. `grads`: arrays or ShapeDtypeStructs."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    _check_rank([g.shape for _, g in paths], rank, "gradient")
     qs = []
     for i, (path, g) in enumerate(paths):
-        _check_rank(g.shape, rank, f"gradient {jax.tree_util.keystr(path) or 'leaf'}")
-        if len(g.shape) >= 2:
+        if is_matrix(g.shape, rank):
             qs.append(jax.random.normal(jax.random.fold_in(key, i),
                                         g.shape[:-2] + (g.shape[-1], rank), jnp.float32))
         else:
@@ -75,15 +83,15 @@ def powersgd_mean(grads, state: State, axes, rank: int):
     n_dev = axis_size(axes)
     g_leaves, treedef = jax.tree.flatten(grads)
     q_leaves, e_leaves = treedef.flatten_up_to(state.q), treedef.flatten_up_to(state.residual)
+    _check_rank([g.shape for g in g_leaves], rank, "gradient")
     for i, g in enumerate(g_leaves):
-        _check_rank(g.shape, rank, f"gradient leaf {i}")
-        want = g.shape[:-2] + (g.shape[-1], rank) if g.ndim >= 2 else (0,)
+        want = g.shape[:-2] + (g.shape[-1], rank) if is_matrix(g.shape, rank) else (0,)
         if q_leaves[i].shape != want:
             raise ValueError(f"PowerSGD state Q of leaf {i} has shape {q_leaves[i].shape}, "
                              f"expected {want} for gradient {g.shape} at rank {rank}: rebuild "
                              f"the state with powersgd.init(grads, rank={rank}, key=...)")
-    mats = [i for i, g in enumerate(g_leaves) if g.ndim >= 2]
-    vecs = [i for i, g in enumerate(g_leaves) if g.ndim < 2]
+    mats = [i for i, g in enumerate(g_leaves) if is_matrix(g.shape, rank)]
+    vecs = [i for i, g in enumerate(g_leaves) if not is_matrix(g.shape, rank)]
     # M = G + E, as a batch of matrices [B, n, m]
     m_ = {i: (g_leaves[i].astype(jnp.float32) + e_leaves[i]).reshape(
         (-1,) + g_leaves[i].shape[-2:]) for i in mats}
@@ -117,9 +125,9 @@ def collectives(shapes, rank: int) -> list[tuple[str, int, str]]:
     """(kind, bytes, what) of one step: all-reduce #1 = P's of all matrices + the vectors,
     all-reduce #2 = Q's, fp32."""
     p_bytes = q_bytes = vec_bytes = 0
+    _check_rank(shapes, rank, "gradient")
     for s in shapes:
-        _check_rank(s, rank, f"gradient of shape {tuple(s)}")
-        if len(s) >= 2:
+        if is_matrix(s, rank):
             b = math.prod(s[:-2])
             p_bytes += 4 * b * s[-2] * rank
             q_bytes += 4 * b * s[-1] * rank

@@ -51,7 +51,7 @@ class Setup:
 
     def abstract_state(self) -> state_lib.TrainState:
         return state_lib.abstract_state(self.model, self.optimizer, self.policy,
-                                        self.state_shardings)
+                                        self.state_shardings, self.placement.spec)
 
     @property
     def packed(self) -> bool:

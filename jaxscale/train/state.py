@@ -62,6 +62,7 @@ class TrainState:
     opt_state: Any
     master: Any = None          # fp32 master weights (16-bit policies), else None
     loss_scale: Any = None      # {"scale", "good_steps"} for dynamic loss scaling, else None
+    comm: Any = None            # gradient compression's per-device state ([dp, ...]), else None
 
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Any]:
@@ -140,24 +141,30 @@ def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayo
                                    named_shardings(placement, opt_target, kind("optimizer")),
                                    transform_non_params=lambda _: placement.replicated())
     rep = placement.replicated()
+    from jaxscale.strategies import compression
+    comm = compression.init_state(placement.spec, model.abstract_params)
     return TrainState(
         step=rep, params=named_shardings(placement, lay.specs.params, kind("params")),
         opt_state=opt_sh,
         master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
-        loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None)
+        loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None,
+        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), comm))
 
 
-def _fresh(model, optimizer, policy, key) -> TrainState:
+def _fresh(model, optimizer, policy, key, spec=None) -> TrainState:
+    from jaxscale.strategies import compression
     from jaxscale.strategies.precision import cast_tree, init_loss_scale
     master = model.init(key)                     # initialised in fp32
     params = cast_tree(master, policy.param_dtype) if policy.master else master
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(master), master=master if policy.master else None,
-                      loss_scale=init_loss_scale(policy))
+                      loss_scale=init_loss_scale(policy),
+                      comm=compression.init_state(spec, master) if spec is not None else None)
 
 
-def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState) -> TrainState:
-    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, policy, jax.random.key(0)))
+def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,
+                   spec=None) -> TrainState:
+    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, policy, jax.random.key(0), spec))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
@@ -171,7 +178,7 @@ def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,
     order = layer_order(placement.spec)
 
     def fresh(k):
-        return reorder(_fresh(model, optimizer, policy, k), None, order)
+        return reorder(_fresh(model, optimizer, policy, k, placement.spec), None, order)
     with jax.set_mesh(placement.mesh):
         return jax.jit(fresh, out_shardings=shardings)(jax.random.key(seed))
 

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxscale.axes import use_rules
-from jaxscale.strategies import accumulate, offload, pp, sp
+from jaxscale.strategies import accumulate, compression, offload, pp, sp
 from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
 from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_spec,
                                   named_shardings)
@@ -122,6 +122,8 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
                     lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
                     block_wrapper: Callable | None = None):
     grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True)
+    compressed = compression.wrap(grads_fn, placement) if compression.active(placement.spec) \
+        else None
     grads_sh = named_shardings(placement, lay.specs.grads)
     param_index = jax.tree.unflatten(jax.tree.structure(model.abstract_params),
                                      range(len(jax.tree.leaves(model.abstract_params))))
@@ -135,10 +137,17 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
         with use_rules(placement.mesh, placement.rules):
             params = to(state.params, device_sh.params)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
-            grads, loss, ntok, moe_stats = grads_fn(params, batch, scale)
+            if compressed:
+                grads, loss, ntok, moe_stats, comm = compressed(params, batch, jnp.asarray(
+                    scale, jnp.float32), state.comm)
+            else:
+                grads, loss, ntok, moe_stats = grads_fn(params, batch, scale)
+                comm = state.comm
             grads = jax.lax.with_sharding_constraint(grads, grads_sh)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            if comm is not None:        # a skipped step keeps its error-feedback residual too
+                comm = keep_if_finite(finite, comm, state.comm)
 
             def update(grads, opt_state, master, params):
                 """The optimizer update of the whole state or of any piece of it (a tree with
@@ -172,7 +181,8 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
 
         new_state = TrainState(
             step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
-            loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval))
+            loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval),
+            comm=comm)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **moe_stats}
         if state.loss_scale is not None:
