@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 
 class State(NamedTuple):
-    """Per-device PowerSGD state: `q` per leaf ([*batch, m, r]; shape (0,) for vectors, which are
-    not compressed), `residual` per leaf (fp32, the gradient's shape)."""
+    """Per-device PowerSGD state: `q` per leaf ([*batch, m, r]; for a leaf sent uncompressed a
+    placeholder of shape (1,): checkpoints cannot hold empty arrays), `residual` per leaf (fp32,
+    the gradient's shape)."""
     q: object
     residual: object
 
@@ -62,7 +63,7 @@ def init(grads, rank: int, *, key) -> State:
             qs.append(jax.random.normal(jax.random.fold_in(key, i),
                                         g.shape[:-2] + (g.shape[-1], rank), jnp.float32))
         else:
-            qs.append(jnp.zeros((0,), jnp.float32))
+            qs.append(jnp.zeros((1,), jnp.float32))
     res = [jnp.zeros(g.shape, jnp.float32) for _, g in paths]
     return State(jax.tree.unflatten(treedef, qs), jax.tree.unflatten(treedef, res))
 
@@ -85,7 +86,7 @@ def powersgd_mean(grads, state: State, axes, rank: int):
     q_leaves, e_leaves = treedef.flatten_up_to(state.q), treedef.flatten_up_to(state.residual)
     _check_rank([g.shape for g in g_leaves], rank, "gradient")
     for i, g in enumerate(g_leaves):
-        want = g.shape[:-2] + (g.shape[-1], rank) if is_matrix(g.shape, rank) else (0,)
+        want = g.shape[:-2] + (g.shape[-1], rank) if is_matrix(g.shape, rank) else (1,)
         if q_leaves[i].shape != want:
             raise ValueError(f"PowerSGD state Q of leaf {i} has shape {q_leaves[i].shape}, "
                              f"expected {want} for gradient {g.shape} at rank {rank}: rebuild "
