@@ -29,6 +29,7 @@ over pp (one all-reduce) at the end, with the loss.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,9 +178,15 @@ def compile_schedule(schedule: ps.Schedule, forward_only: bool = False) -> Progr
 
 
 def program_for(spec, forward_only: bool = False) -> Program:
+    """The plan's schedule as the engine runs it (cached: the planner asks often)."""
     from jaxscale.strategies import pp
-    sched = ps.make(spec.schedule, spec.deg("pp"), max(1, spec.accumulate), pp.virtual(spec))
-    return compile_schedule(sched, forward_only)
+    return _program(spec.schedule, spec.deg("pp"), max(1, spec.accumulate), pp.virtual(spec),
+                    forward_only)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(name: str, p: int, m: int, v: int, forward_only: bool) -> Program:
+    return compile_schedule(ps.make(name, p, m, v), forward_only)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -259,22 +266,10 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
         res_shapes = [] if forward_only else jax.eval_shape(stage_vjp, chunk(0), x_shape, mb0)[1]
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
         along = placement.rules.spec(("batch", "norm_seq", "embed"))     # on the shard_map's mesh
-        batch_axes = along[0]
-
-        def residual_buffer(n, s):
-            """Slots for one residual: split like the batch where a dimension is the batch's (a
-            stacked residual is [layers, batch, ...]), so each device keeps only its rows."""
-            spec = [None] * (s.ndim + 1)
-            for i in (1, 2):
-                if s.ndim >= i and s.shape[i - 1] == x_shape.shape[0]:
-                    spec[i] = batch_axes
-                    break
-            return jax.lax.with_sharding_constraint(zeros(n, s), P(*spec))
-
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
-               "res": [residual_buffer(prog.slots["res"], s) for s in res_shapes]}
+               "res": [zeros(prog.slots["res"], s) for s in res_shapes]}
         acc = {"layers": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), layers),
                "outer": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), outer),
                "loss": jnp.zeros((), jnp.float32), "tokens": jnp.zeros((), jnp.float32)}
