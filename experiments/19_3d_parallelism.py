@@ -10,8 +10,9 @@ published 3D layouts, from the planner:
   2, ZeRO-1, bf16;
 - Llama 3 405B (Llama 3 paper, Table 4): TP8 x PP16 x DP128 on 16,384 H100 80GB, 8192 tokens,
   16 sequences per DP rank, bf16, jaxscale's own LLaMA block with a fused attention; its 126
-  layers are modelled as 128 (equal stages of 4 layers: Meta gives the first and last stage one
-  layer fewer instead, which the planner's equal stages cannot say).
+  layers on 32 virtual stages are uneven (Meta gives the first and last stage one layer fewer):
+  the planner models the busiest stage's ceil(126 / 16) = 8 layers per device, and says that the
+  pipeline engine, which needs equal stages, would refuse the plan.
 Each GPT-style layout is shown with the activation variants of Korthikanti et al. (TP only,
 TP + SP + selective recompute, full recompute); BLOOM does not fit in 80 GB without recompute,
 which is why such runs recompute. The claims checked: each layout fits in its GPUs' 80 GB with
@@ -74,11 +75,9 @@ def gpt_rows(name, cfg, t, p, d, micro, batch, zero, device):
 def llama_row():
     mesh = MeshConfig(dp=128, pp=16, tp=8, dcn_dp=128, dcn_pp=16, device_kind="h100")
     # 126 layers: Meta balances the pp16 x v2 stages by giving the first and the last one layer
-    # fewer (the embedding and the head sit there); the planner and the engine need equal stages,
-    # so the row models 128 layer slots: 4 per virtual stage, 8 per device, as the largest stage
-    # of the published layout holds
-    cfg = Config(model=dataclasses.replace(models.get("llama3-405b"), attention="auto",
-                                           n_layers=128),
+    # fewer (the embedding and the head sit there); the planner holds ceil(126 / 16) = 8 layers
+    # per device, the largest stage of the published layout
+    cfg = Config(model=dataclasses.replace(models.get("llama3-405b"), attention="auto"),
                  mesh=mesh, data=DataConfig(seq_len=8192, batch_size=2048))
     rows = []
     for remat in ("none", "full"):

@@ -204,9 +204,12 @@ def problems(spec: Spec) -> list[str]:
 
 
 def unavailable(spec: Spec) -> list[str]:
-    """The strategies this plan uses that `train` cannot run yet (one line each, with the fix)."""
-    return [s.UNAVAILABLE.format(spec=spec, **spec.degrees) for s in STRATEGIES
-            if not s.AVAILABLE and s.active(spec)]
+    """What of this plan `train` cannot run yet, though the planner predicts it (one line each,
+    with the fix): strategies not available at all, and the cases a strategy's `runnable(spec)`
+    names (its implementation's limits)."""
+    out = [s.UNAVAILABLE.format(spec=spec, **spec.degrees) for s in STRATEGIES
+           if not s.AVAILABLE and s.active(spec)]
+    return out + [e for s in STRATEGIES if hasattr(s, "runnable") for e in s.runnable(spec)]
 
 
 def rules(spec: Spec) -> Rules:

@@ -14,6 +14,9 @@ Every module reads a `jaxscale.plan.Spec` (the model, mesh degrees, batch, seque
                                  count, why (`common.Comm`)
     memory(spec) -> [Term]       its per-device memory terms (`common.Term`)
     label(spec) -> [str]         how the plan's label names it
+    runnable(spec) -> [str]      (optional) what of a valid plan its implementation cannot run
+                                 yet: `train` refuses it, the planner predicts it, `--search`
+                                 marks it
 
 and, where it changes the train state or the step, the functions `jaxscale.train` calls:
 `precision.policy` / `cast_tree` / loss scaling, `zero.state_specs`, `offload.memory_kind`,

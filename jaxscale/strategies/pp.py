@@ -62,6 +62,25 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
+    """What no pipeline can run: an invalid schedule for (p, m, v), more stages than layers."""
+    p, errs = spec.deg("pp"), []
+    if p == 1:
+        return errs
+    from jaxscale import pipeline_schedules as ps
+    try:
+        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages)
+    except ValueError as e:
+        errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
+    stages = p * virtual(spec)
+    if spec.model.n_layers < stages:
+        errs.append(f"model.n_layers={spec.model.n_layers} is fewer than the {stages} pipeline "
+                    f"stages: lower mesh.pp or plan.virtual_stages")
+    return errs
+
+
+def runnable(spec) -> list[str]:
+    """What the engine (`train.pipeline`) cannot run yet, though the planner models it (uneven
+    stages hold ceil(L / p) layers there, as published layouts such as Llama 3 405B's do)."""
     p, errs = spec.deg("pp"), []
     if p == 1:
         return errs
@@ -70,7 +89,7 @@ def problems(spec) -> list[str]:
         ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages,
                  spec.model.n_layers)
     except ValueError as e:
-        errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
+        errs.append(str(e))
     if not spec.model.scan_layers:
         errs.append("mesh.pp>1 splits the stacked layers: set model.scan_layers=true")
     for what, bad in (("sequence or context parallelism (mesh.sp>1)", spec.deg("sp") > 1),
