@@ -5,7 +5,10 @@ micro-batch divided by the number of real tokens in the whole batch, so padding 
 mean and k micro-batches give the gradients of one k-times batch.
 
 One step, in order: offloaded working parameters to the device; k micro-batch gradients (of the
-loss times the loss scale) summed in a `lax.scan`; division by tokens x scale; the gradients'
+loss times the loss scale) summed in a `lax.scan` (with mesh.pp > 1: run through the stages by
+the plan's pipeline schedule, `train.pipeline`); division by tokens x scale (with
+`plan.compression`: each device's gradients averaged over dp by the compression method,
+`strategies.compression.wrap`, its error-feedback state in `TrainState.comm`); the gradients'
 sharding for the ZeRO stage (replicated over dp for 0/1, sharded for 2/3); their global norm; the
 optimizer update of the fp32 master (or of the parameters) and the new 16-bit working parameters,
 clipped by that norm: the whole state at once, or, with host offload, streamed through the device
