@@ -170,7 +170,7 @@ def test_powersgd_reproduces_low_rank_mean(mesh1d):
     exact = jax.tree.map(lambda x: x.mean(0), g)
     np.testing.assert_allclose(np.asarray(mean["w"]), np.asarray(exact["w"]), atol=1e-4)
     np.testing.assert_allclose(np.asarray(mean["b"]), np.asarray(exact["b"]), atol=1e-6)
-    assert st2.q["w"].shape == (N, m, r) and st2.q["b"].shape == (N, 0)
+    assert st2.q["w"].shape == (N, m, r) and st2.q["b"].shape == (N, 1)
     np.testing.assert_allclose(np.asarray(st2.q["w"][0]), np.asarray(st2.q["w"][5]))
     # the residual is each device's part outside the shared rank-r space: M_d - P P^T mean
     full = C.per_device_mean("powersgd", mesh1d, "dp", rank=1)
