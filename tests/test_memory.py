@@ -208,9 +208,7 @@ def test_offload_moves_state_off_device_and_training_matches():
     assert host(b0) == 0 and host(b1) > 0
     assert abs((dev(b0) - dev(b1)) - moved) < 64          # step counters stay on device
     assert dev(b0) - dev(b1) == host(b1)
-    l0 = [r["loss"] for r in _run(base, 3)[2]]
-    l1 = [r["loss"] for r in _run(off, 3)[2]]
-    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    # training with offloaded state equals training without: tests/test_offload.py
 
 
 def test_offload_of_missing_master_is_an_error():

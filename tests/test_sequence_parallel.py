@@ -36,9 +36,10 @@ def reference():
 MEGATRON_SP = ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "plan.sequence_parallel=true")
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [n for n in PLANS if n != "ring sp8"])
 def test_plan_matches_single_device(name, reference):
-    """(Megatron SP alone: its numerics are those of the ring+megatron plan, its census below.)"""
+    """(Megatron SP alone: its numerics are those of the ring+megatron plan, its census below;
+    ring over all 8 devices: the bf16 test below.)"""
     losses, grads, params = _trajectory(tiny_config(*PLANS[name], *KV8), jax.devices())
     ref_losses, ref_grads, ref_params = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
