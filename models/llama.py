@@ -24,6 +24,7 @@ from jaxscale.attention import IMPLEMENTATIONS, attention
 from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
+from jaxscale.projection import project
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -251,6 +252,17 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHD.dtype)
 
 
+#: logical axes (x, weight, output) of the weight matmuls: the residual stream (`norm_seq`) in,
+#: the attention/MLP regions (`seq`) out, and back
+_RESID = ("batch", "norm_seq", "embed")
+_QKV_NAMES = {h: (_RESID, ("embed", h, "head_dim"), ("batch", "seq", h, "head_dim"))
+              for h in ("heads", "kv_heads")}
+_O_NAMES = (("batch", "seq", "heads", "head_dim"), ("heads", "head_dim", "embed"), _RESID)
+_UP_NAMES = (_RESID, ("embed", "mlp"), ("batch", "seq", "mlp"))
+_DOWN_NAMES = (("batch", "seq", "mlp"), ("mlp", "embed"), _RESID)
+_HEAD_NAMES = (_RESID, ("embed", "vocab"), ("batch", "seq", "vocab"))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, hd, pd = cfg.dim, cfg.hd, jnp.dtype(cfg.param_dtype)
@@ -263,10 +275,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
-        dt = x_BTD.dtype
-        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt))
+        q = project("btd,dhk->bthk", x_BTD, self.wq[...], "wq", _QKV_NAMES["heads"])
+        k = project("btd,dhk->bthk", x_BTD, self.wk[...], "wk", _QKV_NAMES["kv_heads"])
+        v = project("btd,dhk->bthk", x_BTD, self.wv[...], "wv", _QKV_NAMES["kv_heads"])
         q = constrain(checkpoint_name(q, "q_proj"), "batch", "seq", "heads", "head_dim")
         k = constrain(checkpoint_name(k, "k_proj"), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(checkpoint_name(v, "v_proj"), "batch", "seq", "kv_heads", "head_dim")
@@ -275,7 +286,7 @@ class Attention(nnx.Module):
         o_BTHK = attention(q, k, v, causal=True, segment_ids=segment_ids_BT,
                            implementation=self.cfg.attention)
         o_BTHK = constrain(checkpoint_name(o_BTHK, "attn_out"), "batch", "seq", "heads", "head_dim")
-        out = jnp.einsum("bthk,hkd->btd", o_BTHK, self.wo[...].astype(dt))
+        out = project("bthk,hkd->btd", o_BTHK, self.wo[...], "wo", _O_NAMES)
         return checkpoint_name(out, "o_proj")
 
 
@@ -287,11 +298,13 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BTD):
-        dt = x_BTD.dtype
-        g = checkpoint_name(x_BTD @ self.w_gate[...].astype(dt), "mlp_gate")
-        u = checkpoint_name(x_BTD @ self.w_up[...].astype(dt), "mlp_up")
+        g = checkpoint_name(project("btd,df->btf", x_BTD, self.w_gate[...], "w_gate",
+                                    _UP_NAMES), "mlp_gate")
+        u = checkpoint_name(project("btd,df->btf", x_BTD, self.w_up[...], "w_up", _UP_NAMES),
+                            "mlp_up")
         h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
-        return checkpoint_name(h_BTF @ self.w_down[...].astype(dt), "mlp_down")
+        return checkpoint_name(project("btf,fd->btd", h_BTF, self.w_down[...], "w_down",
+                                       _DOWN_NAMES), "mlp_down")
 
 
 class Block(nnx.Module):
@@ -399,6 +412,6 @@ class Llama(nnx.Module):
         """The final norm and the LM head: [B, T, D] -> logits [B, T, vocab] in float32."""
         x = self.norm(x_BTD)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(jnp.dtype(self.cfg.dtype)),
-                            preferred_element_type=jnp.float32)
+        logits = project("btd,dv->btv", x.astype(jnp.dtype(self.cfg.dtype)), head, "head",
+                         _HEAD_NAMES, preferred_element_type=jnp.float32)
         return constrain(logits, "batch", "seq", "vocab")
