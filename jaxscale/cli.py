@@ -174,6 +174,13 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_experiments(args) -> int:
+    from jaxscale import gallery
+    if args.action == "list":
+        return gallery.list_topics()
+    return gallery.run(args.names, args.all, args.out, args.limit_s or gallery.LIMIT_S)
+
+
 def cmd_plan(args) -> int:
     from jaxscale.planner.cli import run
     return run(args)
@@ -217,6 +224,19 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("what", help="collectives")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
     be.set_defaults(func=cmd_bench)
+    ex = sub.add_parser("experiments", help="run the topic experiments and write the gallery "
+                        "experiments/README.md (each experiment's claims, table and figure)")
+    ex_sub = ex.add_subparsers(dest="action", required=True)
+    er = ex_sub.add_parser("run", help="run experiments (NN or names, or --all); exits non-zero "
+                           "when one fails")
+    er.add_argument("names", nargs="*", help="topic numbers (07) or script names")
+    er.add_argument("--all", action="store_true", help="every experiments/NN_*.py")
+    er.add_argument("--out", default="runs/experiments", help="where each run writes its output")
+    er.add_argument("--limit-s", type=arg(lo=1), default=None,
+                    help="stop an experiment after this many seconds (default 2x its budget)")
+    er.set_defaults(func=cmd_experiments)
+    el = ex_sub.add_parser("list", help="the topics, their experiments and last results")
+    el.set_defaults(func=cmd_experiments)
     tk = sub.add_parser("tokenizer", help="tokenizer train: a byte-level BPE on local text "
                         "(the stdlib sources by default), saved as tokenizer.json")
     tk_sub = tk.add_subparsers(dest="action", required=True)

@@ -1,0 +1,259 @@
+"""The experiments gallery: run the topic experiments, collect each one's key table and figure, and
+write `experiments/README.md`.
+
+`jaxscale experiments run --all` (or named topics: `run 11 14`) runs every `experiments/NN_*.py`
+as its own process (`python experiments/NN_x.py --out runs/experiments/NN_x`), each under a time
+limit, and keeps for each: exit status, wall time, the claims table it wrote (`results.json`, from
+`experiments/_common.Claims`; else the last table it printed) and the first figure it wrote
+(copied to `experiments/img/`). Results accumulate in `experiments/gallery.json`, so running some
+topics updates their entries and keeps the others; the README is rewritten from that file every
+time. The command states its CPU budget before it starts (per experiment `BUDGET_S` on `CORES`
+cores, the topics' "under three minutes on a laptop CPU", i.e. CORES x BUDGET_S CPU seconds:
+CPU time, unlike wall time, does not grow when something else shares the machine), marks each
+experiment over budget, and exits non-zero,
+naming each one, when any experiment fails, times out or writes no result: a broken experiment
+is never silently left out of the gallery.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUDGET_S = 180          # per experiment on the 2-core CPU machine (TOPICS: "under three minutes")
+CORES = 2               # ... so its CPU budget is CORES x BUDGET_S seconds of CPU time
+LIMIT_S = 4 * BUDGET_S  # wall-clock seconds after which an experiment is killed: a failure
+
+TITLES = {
+    1: "Memory basics", 2: "Mixed precision", 3: "Gradient accumulation",
+    4: "Activation checkpointing", 5: "Offloading", 6: "Model parallelism (naive vs pipeline)",
+    7: "Data parallelism", 8: "ZeRO stages", 9: "FSDP and HSDP", 10: "Collectives and topology",
+    11: "Overlapping communication with computation", 12: "Gradient compression",
+    13: "Asynchronous training", 14: "Local SGD, SlowMo, DiLoCo", 15: "Pipeline schedules",
+    16: "Tensor parallelism", 17: "Sequence and context parallelism",
+    18: "Expert parallelism (MoE)", 19: "3D parallelism", 20: "Memory fragmentation",
+    21: "Memory monitoring and profiling", 22: "Buffer donation",
+    23: "Quantisation, pruning, distillation", 24: "FlashAttention", 25: "Sparse training",
+    26: "Framework comparison", 27: "Multi-node networks", 28: "Fault tolerance",
+    29: "Memory/communication co-design (plan search)", 30: "Case studies and tuning checklist",
+}
+
+
+def root() -> Path:
+    """The source tree: the folder holding `experiments/` next to the `jaxscale` package."""
+    here = Path(__file__).resolve().parent.parent
+    if not (here / "experiments").is_dir():
+        raise FileNotFoundError(f"no experiments/ folder beside {here / 'jaxscale'}: run from a "
+                                f"source checkout (pip install -e .)")
+    return here
+
+
+def scripts(tree: Path) -> dict[int, Path]:
+    """topic number -> its script `experiments/NN_name.py`."""
+    out = {}
+    for p in sorted((tree / "experiments").glob("[0-9][0-9]_*.py")):
+        out[int(p.name[:2])] = p
+    return out
+
+
+def select(names: list[str], found: dict[int, Path]) -> list[int]:
+    """Topic numbers from `NN` or script names; an unknown one is an error naming the valid ones."""
+    chosen = []
+    for n in names:
+        key = int(n) if n.isdigit() else next((t for t, p in found.items()
+                                               if p.stem == n or p.name == n), None)
+        if key not in found:
+            raise SystemExit(f"unknown experiment {n!r}; valid: "
+                             f"{', '.join(f'{t:02d}' for t in sorted(found))} or their names")
+        chosen.append(key)
+    return chosen
+
+
+def last_table(text: str) -> str:
+    """The last plain-text table (`_common.table`: header, a dashes line, rows) in `text`."""
+    lines = text.splitlines()
+    start = None
+    for i, line in enumerate(lines):
+        if i and re.fullmatch(r"-+( +-+)+", line.strip()):
+            start = i - 1
+            if start and lines[start - 1].strip() and not re.search(r"\s{2}", lines[start - 1]):
+                start -= 1          # the table's title line
+    if start is None:
+        return ""
+    end = start
+    while end < len(lines) and lines[end].strip():
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def claims_table(results: dict) -> str:
+    """The claims an experiment wrote (`_common.Claims` rows, or [claim, ok] pairs)."""
+    rows = []
+    for r in results.get("claims") or []:
+        if isinstance(r, dict):
+            rows.append((r["claim"], r.get("measured", ""), r.get("expected", ""), r["ok"]))
+        else:
+            rows.append((r[0], "", "", r[-1]))
+    if not rows:
+        return ""
+    if not any(m or e for _, m, e, _ in rows):
+        return "| claim | |\n|---|---|\n" + "\n".join(
+            f"| {c} | {'ok' if ok else 'FAIL'} |" for c, _, _, ok in rows)
+    head = "| claim | measured | expected | |\n|---|---:|---:|---|\n"
+    return head + "\n".join(f"| {c} | {m} | {e} | {'ok' if ok else 'FAIL'} |"
+                            for c, m, e, ok in rows)
+
+
+def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float) -> dict:
+    out = out_root / script.stem
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t0, cpu0 = time.perf_counter(), _child_cpu()
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=limit_s)
+        rc, stdout = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        stdout = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+            else (e.stdout or "")
+    seconds, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
+    (out / "stdout.txt").write_text(stdout)
+    results = {}
+    if (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+    figures = sorted(out.rglob("*.png"), key=lambda p: p.stat().st_mtime)
+    figure = None
+    if figures:
+        img = tree / "experiments" / "img"
+        img.mkdir(exist_ok=True)
+        figure = f"img/{script.stem}.png"
+        shutil.copyfile(figures[0], tree / "experiments" / figure)
+    failed = rc != 0 or (not figures and not results)
+    return {"topic": topic, "script": f"experiments/{script.name}", "rc": rc,
+            "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+            "over_budget": cpu > CORES * BUDGET_S,
+            "failed": failed, "claims": claims_table(results),
+            "table": (out / "table.md").read_text().strip() if (out / "table.md").is_file()
+            else last_table(stdout),
+            "figure": figure, "tail": "" if not failed else "\n".join(stdout.splitlines()[-15:]),
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def _child_cpu() -> float:
+    """CPU seconds (user + system) of the finished child processes: unlike wall time, not
+    inflated when something else shares the machine."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def machine() -> str:
+    import platform
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+
+
+def slug(t: int) -> str:
+    """The anchor a Markdown renderer gives the heading `## NN title`."""
+    return re.sub(r"[^a-z0-9 -]", "", f"{t:02d} {TITLES[t]}".lower()).replace(" ", "-")
+
+
+def write_readme(tree: Path, entries: dict[int, dict]) -> Path:
+    found = scripts(tree)
+    total = sum(e["cpu_seconds"] for e in entries.values())
+    lines = [
+        "# Experiments gallery", "",
+        "One experiment per topic, each runnable on a laptop CPU (8 simulated devices). This page is",
+        "written by `jaxscale experiments run --all` (or `run NN ...` for some topics) from the",
+        "experiments' own output: the claims each one checks (measured beside expected) or its",
+        f"key table, and its first figure. Per experiment the budget is {BUDGET_S} s on "
+        f"{CORES} CPU cores,", f"{CORES * BUDGET_S} CPU seconds; the last runs took "
+        f"{total / 60:.0f} CPU minutes in all.", "",
+        "| topic | experiment | result | CPU s | wall s |", "|---|---|---|---:|---:|"]
+    for t in range(1, 31):
+        e = entries.get(t)
+        name = f"[{found[t].name}]({found[t].name})" if t in found else "none yet"
+        status = ("not run" if e is None else "FAILED" if e["failed"] else
+                  "over budget" if e["over_budget"] else "ok")
+        secs = f"{e['cpu_seconds']:.0f} | {e['seconds']:.0f}" if e else " | "
+        lines.append(f"| [{t:02d} {TITLES[t]}](#{slug(t)}) | {name} | {status} | {secs} |")
+    for t in range(1, 31):
+        e = entries.get(t)
+        lines += ["", f"## {t:02d} {TITLES[t]}"]
+        if e is None:
+            lines.append("" if t in found else "\nNo experiment for this topic yet.")
+            continue
+        lines += ["", f"`python {e['script']}`: {e['cpu_seconds']:.0f} CPU s "
+                  f"({e['seconds']:.0f} s wall) on {e['machine']}, {e['date']}"
+                  + (" (over budget)" if e["over_budget"] else "")]
+        if e["failed"]:
+            lines += ["", f"**FAILED** (exit {e['rc']}):", "", "```", e["tail"], "```"]
+        if e["table"]:
+            lines += ["", e["table"] if e["table"].startswith("|") else
+                      "```\n" + e["table"] + "\n```"]
+        if e["claims"]:
+            lines += ["", e["claims"]]
+        if e["figure"]:
+            lines += ["", f"![{TITLES[t]}]({e['figure']})"]
+    path = tree / "experiments" / "README.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(names: list[str], all_: bool, out: str = "runs/experiments",
+        limit_s: float = LIMIT_S, tree: Path | None = None) -> int:
+    """Run the named (or all) experiments of `tree` (default: this source tree), update its
+    gallery; 1 when one failed (or, with `all_`, a topic has no experiment), else 0."""
+    tree = tree or root()
+    found = scripts(tree)
+    topics = sorted(found) if all_ else select(names, found)
+    if not topics:
+        raise SystemExit("name experiments to run (e.g. `run 07 12`) or pass --all")
+    print(f"running {len(topics)} experiment(s): budget {BUDGET_S} s each on {CORES} CPU cores "
+          f"({CORES * BUDGET_S} CPU s), {len(topics) * BUDGET_S / 60:.0f} min in all on an idle "
+          f"machine; each is stopped after {limit_s:.0f} s wall", flush=True)
+    db_path = tree / "experiments" / "gallery.json"
+    db = {int(k): v for k, v in json.loads(db_path.read_text()).items()} \
+        if db_path.is_file() else {}
+    for i, t in enumerate(topics, 1):
+        print(f"[{i}/{len(topics)}] {found[t].name} ...", end=" ", flush=True)
+        e = run_one(t, found[t], Path(out).resolve(), tree, limit_s)
+        db[t] = e
+        print(("FAILED (exit %s)" % e["rc"]) if e["failed"] else
+              f"{e['cpu_seconds']:.0f} CPU s, {e['seconds']:.0f} s wall"
+              + (" OVER BUDGET" if e["over_budget"] else ""), flush=True)
+        db_path.write_text(json.dumps({f"{k:02d}": v for k, v in sorted(db.items())}, indent=1))
+        write_readme(tree, db)
+    missing = [t for t in range(1, 31) if t not in found]
+    failed = [found[t].name for t in topics if db[t]["failed"]]
+    over = [found[t].name for t in topics if db[t]["over_budget"]]
+    print(f"gallery: {tree / 'experiments' / 'README.md'}")
+    if over:
+        print(f"over the {CORES * BUDGET_S} CPU s budget: {', '.join(over)}")
+    if missing:
+        print(f"topics without an experiment: {', '.join(f'{t:02d}' for t in missing)}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (their output: {out}/<name>/stdout.txt)")
+    return 1 if failed or (all_ and missing) else 0
+
+
+def list_topics() -> int:
+    tree = root()
+    found = scripts(tree)
+    db_path = tree / "experiments" / "gallery.json"
+    db = {int(k): v for k, v in json.loads(db_path.read_text()).items()} \
+        if db_path.is_file() else {}
+    for t in range(1, 31):
+        e = db.get(t)
+        last = "" if e is None else ("FAILED" if e["failed"] else
+                                     f"ok, {e['cpu_seconds']:.0f} CPU s")
+        print(f"{t:02d}  {TITLES[t]:<46} {found[t].name if t in found else '-':<34} {last}")
+    return 0
