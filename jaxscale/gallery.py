@@ -27,6 +27,7 @@ from pathlib import Path
 
 BUDGET_S = 180          # per experiment on the 2-core CPU machine (TOPICS: "under three minutes")
 CORES = 2               # ... so its CPU budget is CORES x BUDGET_S seconds of CPU time
+TAIL = 20               # lines of output shown for an experiment that prints no table
 LIMIT_S = 4 * BUDGET_S  # wall-clock seconds after which an experiment is killed: a failure
 
 TITLES = {
@@ -75,16 +76,18 @@ def select(names: list[str], found: dict[int, Path]) -> list[int]:
 
 
 def last_table(text: str) -> str:
-    """The last plain-text table (`_common.table`: header, a dashes line, rows) in `text`."""
+    """The last plain-text table in `text`: a header, a line of dashes, rows up to a blank line
+    (`_common.table` and the experiments' own tables); failing that, the output's last lines."""
     lines = text.splitlines()
     start = None
     for i, line in enumerate(lines):
-        if i and re.fullmatch(r"-+( +-+)+", line.strip()):
+        if i and re.fullmatch(r"-{3,}[- ]*", line.strip()) and lines[i - 1].strip():
             start = i - 1
-            if start and lines[start - 1].strip() and not re.search(r"\s{2}", lines[start - 1]):
+            if start and lines[start - 1].strip() and not re.search(r"\S\s{2,}\S",
+                                                                     lines[start - 1]):
                 start -= 1          # the table's title line
     if start is None:
-        return ""
+        return "\n".join([ln for ln in lines if ln.strip()][-TAIL:])
     end = start
     while end < len(lines) and lines[end].strip():
         end += 1
@@ -120,13 +123,14 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
     try:
         proc = subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=limit_s)
-        rc, stdout = proc.returncode, proc.stdout + proc.stderr
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:
         rc = "timeout"
-        stdout = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-            else (e.stdout or "")
+        stdout, stderr = ((x or b"").decode(errors="replace") if isinstance(x, bytes) else
+                          (x or "") for x in (e.stdout, e.stderr))
     seconds, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
     (out / "stdout.txt").write_text(stdout)
+    (out / "stderr.txt").write_text(stderr)
     results = {}
     if (out / "results.json").is_file():
         results = json.loads((out / "results.json").read_text())
@@ -144,7 +148,7 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
             "failed": failed, "claims": claims_table(results),
             "table": (out / "table.md").read_text().strip() if (out / "table.md").is_file()
             else last_table(stdout),
-            "figure": figure, "tail": "" if not failed else "\n".join(stdout.splitlines()[-15:]),
+            "figure": figure, "tail": "" if not failed else "\n".join((stdout + stderr).splitlines()[-TAIL:]),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
 
 
