@@ -15,8 +15,8 @@ grows is the activations sp divides), fp32, mesh fsdp = 8/sp x sp, one sequence 
 2. Each method's collective census at sp = 4, seq 256, beside the planner's formula: ring (sp-1)
    collective-permutes of the K/V block forward and 2(sp-1) backward per layer, Ulysses 8
    all-to-alls per layer, all-gather one all-gather and one reduce-scatter per layer.
-3. Loss curves on real text, 12 steps at seq 128: each method at sp = 4 against fsdp8 (sp = 1),
-   equal to fp32 round-off.
+3. Loss curves on real text, 12 steps at seq 128, batch 2: each method at sp = 4 (fsdp2 x sp4)
+   against the same batches with the sequence whole (fsdp2 x tp4), equal to fp32 round-off.
 Under three minutes on 2 idle cores. Writes results.json and context.png under --out.
 """
 from __future__ import annotations
@@ -77,7 +77,12 @@ def census(method: str) -> dict:
 
 
 def losses(method: str | None, steps: int) -> list[float]:
-    cfg = cfg_for(method or "ring", 4 if method else 1, 128, steps)
+    """Losses over `steps` steps at seq 128, batch 2 (one sequence per fsdp rank at sp = 4):
+    with context parallelism over sp = 4, or (method None) the same batch without splitting the
+    sequence (fsdp2 x tp4: numerically one device)."""
+    cfg = cfg_for(method, 4, 128, steps) if method else C.config(
+        "mesh.dp=1", "mesh.fsdp=2", "mesh.sp=1", "mesh.tp=4", "model.n_kv_heads=8",
+        "model.attention=blockwise", "model.max_seq_len=2048", seq=128, batch=2, steps=steps)
     setup = build(cfg)
     corpus = load_corpus(cfg.data)
     batches = Batches(corpus.train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
