@@ -134,6 +134,7 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
     results = {}
     if (out / "results.json").is_file():
         results = json.loads((out / "results.json").read_text())
+        results = results if isinstance(results, dict) else {"rows": results}
     figures = sorted(out.rglob("*.png"), key=lambda p: p.stat().st_mtime)
     figure = None
     if figures:
