@@ -35,17 +35,22 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from jaxscale import compiled, planner  # noqa: E402
 from jaxscale.planner import report, search  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
-from jaxscale.plan import Spec, unavailable  # noqa: E402
+from jaxscale.axes import MESH_AXES  # noqa: E402
+from jaxscale.plan import OPTIONS, Spec, unavailable  # noqa: E402
 from jaxscale.planner.validate import tiny_config  # noqa: E402
 
 BASE = ("model.n_layers=4", "data.seq_len=64", "data.batch_size=16")
 
 
 def to_overrides(spec: Spec) -> list[str]:
-    out = [f"mesh.{a}={spec.deg(a)}" for a in ("dp", "fsdp", "tp")]
-    out += [f"plan.zero={spec.zero}", f"plan.remat={spec.remat}",
-            f"plan.accumulate={spec.accumulate}"]
-    if spec.model.n_kv_heads != tiny_config(*BASE).model.n_kv_heads:
+    """The `--set` overrides that turn the base config into `spec`'s plan: every mesh degree and
+    every plan option that differs from the base."""
+    base = Spec.from_config(tiny_config(*BASE), 8)
+    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
+    out = [f"mesh.{a}={spec.deg(a)}" for a in MESH_AXES]
+    out += [f"plan.{k}={text(getattr(spec, k))}" for k in OPTIONS
+            if getattr(spec, k) != getattr(base, k)]
+    if spec.model.n_kv_heads != base.model.n_kv_heads:
         out.append(f"model.n_kv_heads={spec.model.n_kv_heads}")
     return out
 
