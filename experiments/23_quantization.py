@@ -18,7 +18,13 @@ corpus; every loss below is the token-mean cross entropy on the same held-out ba
 3. Distillation: a 2-layer student trained KD_STEPS steps from the same initialisation with
    plain cross entropy and with alpha CE + (1 - alpha) T^2 KL(teacher || student) at T = 1 and
    T = 2, equal steps, batches and learning rate; its held-out CE and KL to the teacher (T = 1).
-Writes results.json and compression.png under --out. About 2 minutes on 2 cores.
+4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/quant.py): the
+   teacher's run again for QAT_STEPS steps with plan.qat=int8 and plan.qat=fp8 (delayed
+   scaling, 16-step amax history), same initialisation, batches and schedule as the fp32 run
+   (whose first QAT_STEPS losses are the teacher's): loss curves, held-out loss through each
+   plan's own quantised forward, the dots of the compiled steps by operand dtype, and compiled
+   memory per device against the planner's terms.
+Writes results.json and compression.png under --out. About 2.5 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -41,19 +47,35 @@ from jaxscale.train.state import FunctionalModel  # noqa: E402
 from jaxscale.train.step import token_loss  # noqa: E402
 
 SEQ, BATCH, EVAL_ROWS = 64, 16, 128
-TEACHER_STEPS, FT_STEPS, KD_STEPS = 150, 30, 100
+TEACHER_STEPS, FT_STEPS, KD_STEPS, QAT_STEPS = 150, 30, 100, 60
 FT_LR, KD_LR = 5e-4, 3e-3
 KD = {"CE only": None, "KD alpha=0.5 T=1": (0.5, 1.0), "KD alpha=0.5 T=2": (0.5, 2.0)}
 SPARSITIES = (0.0, 0.25, 0.5, 0.75)
 
 
-def train_teacher(cfg, train):
+def train_run(cfg, train, steps, keep=None, initial=None):
+    """`steps` steps of the framework's train step, lowered and compiled once. Returns a dict:
+    setup, lowered, step (compiled), params (final, on the host), curve (losses), initial (the
+    state before the first step, on the host), kept (the parameters after `keep` steps).
+    `initial`: start from this host state (another plan's: same parameters and moments)."""
+    from jaxscale.strategies import quant
     s = build(cfg)
-    state, losses = s.init_state(), []
-    for i in range(TEACHER_STEPS):
-        state, m = s.train_step(state, train.device_batch(i, s.batch_shardings()))
+    lowered = s.lower_train_step()
+    step = lowered.compile()
+    if initial is None:
+        state = s.init_state()
+        initial = jax.device_get(state)
+    else:                   # the same start; a fresh fp8 amax history when the plan has one
+        fresh = quant.init_state(s.placement.spec)
+        state = jax.device_put(dataclasses.replace(initial, quant=fresh), s.state_shardings)
+    losses, kept = [], None
+    for i in range(steps):
+        state, m = step(state, train.device_batch(i, s.batch_shardings()))
         losses.append(float(m["loss"]))
-    return jax.device_get(state.params), losses
+        if i + 1 == keep:
+            kept = jax.device_get(state.params)
+    return {"setup": s, "lowered": lowered, "step": step, "params": jax.device_get(state.params),
+            "curve": losses, "initial": initial, "kept": kept}
 
 
 def mean_loss(model, params, rows):
@@ -114,6 +136,93 @@ def distill(step_opt, s_params, train, alpha=1.0, temperature=1.0):
     return p
 
 
+def dot_dtypes(text: str) -> dict:
+    """'lhs x rhs -> out' dtypes of every dot of an HLO module, times its loop trip counts."""
+    from jaxscale import hlo
+    mod, out = hlo.Module(text), {}
+    for ins in mod.instrs:
+        if ins.opcode == "dot":
+            ops = [o[0][0] for o in mod.operand_shapes(ins)]
+            key = f"{ops[0]} x {ops[1]} -> {hlo.shapes(ins.type_str)[0][0]}"
+            out[key] = out.get(key, 0) + int(mod.runs.get(ins.computation, 0))
+    return out
+
+
+def qat_training(cfg, train, held, teacher, fp32_held, claims, t0):
+    """Section 4: the teacher's run with plan.qat=int8 and plan.qat=fp8 (see the docstring)."""
+    from jaxscale.plan import Spec
+    from jaxscale.strategies import quant
+    runs = {"fp32": {"curve": teacher["curve"][:QAT_STEPS], "held": fp32_held,
+                     "memory": teacher["step"].memory_analysis()}}
+    L = cfg.model.n_layers
+    for method in ("int8", "fp8"):
+        qcfg = C.apply_overrides(cfg, [f"plan.qat={method}", "plan.fp8_amax_history=16"])
+        r = train_run(qcfg, train, QAT_STEPS, initial=teacher["initial"])
+        s, step = r["setup"], r["step"]
+        total, n = s.eval_step(jax.device_put(r["params"], s.state_shardings.params), held)
+        compiled_dots = dot_dtypes(step.as_text())
+        program_dots = dot_dtypes(C.with_trip_counts(r["lowered"].as_text(dialect="hlo")))
+        runs[method] = {"curve": r["curve"], "held": float(total / n),
+                        "memory": step.memory_analysis(),
+                        "dots": compiled_dots, "program_dots": program_dots,
+                        "terms": {t.what: t.bytes for t in quant.memory(Spec.from_config(qcfg, 8))}}
+    tail = {k: sum(r["curve"][-10:]) / 10 for k, r in runs.items()}
+    print(f"\n[{time.time() - t0:.0f} s]")
+    print(C.table(["plan", "loss step 1", f"step {QAT_STEPS // 2}", "mean of last 10",
+                   "vs fp32", "held-out (own forward)"],
+                  [[k, f"{r['curve'][0]:.4f}", f"{r['curve'][QAT_STEPS // 2 - 1]:.4f}",
+                    f"{tail[k]:.4f}", f"{tail[k] / tail['fp32'] - 1:+.2%}", f"{r['held']:.4f}"]
+                   for k, r in runs.items()],
+                  title=f"quantisation-aware training, {QAT_STEPS} steps from the same init "
+                        f"(dp=8, batch {BATCH} x {SEQ}): plan.qat=none | int8 | fp8"))
+    rows = [[m, where, k, v] for m in ("int8", "fp8") for where, key in
+            (("compiled", "dots"), ("program", "program_dots")) for k, v in runs[m][key].items()]
+    print(C.table(["plan", "HLO", "dot operands -> result", "dots per step"], rows,
+                  title="dots of the train step by dtype (loop trip counts included; 'program' "
+                        "is the HLO before XLA's passes)"))
+    mem = {k: {f: getattr(r["memory"], f"{f}_size_in_bytes") for f in ("argument", "temp")}
+           for k, r in runs.items()}
+    saved = -runs["fp8"]["terms"]["matmul inputs saved in e4m3 instead of the compute dtype"]
+    hist = runs["fp8"]["terms"]["fp8 amax histories"]
+    print(C.table(["plan", "argument MiB", "temp MiB", "temp - fp32 (bytes)", "planner"],
+                  [[k, f"{m['argument'] / C.MiB:.3f}", f"{m['temp'] / C.MiB:.3f}",
+                    f"{m['temp'] - mem['fp32']['temp']:+,}",
+                    {"fp32": "", "int8": "no term (STE keeps x, w)",
+                     "fp8": f"-{saved:,.0f} saved inputs, +{hist:,.0f} histories"}[k]]
+                   for k, m in mem.items()],
+                  title="compiled memory per device (memory_analysis)"))
+    for k in ("int8", "fp8"):
+        claims.check(f"{k} QAT model, own quantised forward: held-out loss within 2% of fp32's",
+                     runs[k]["held"] / fp32_held - 1, "|x| < 0.02",
+                     abs(runs[k]["held"] / fp32_held - 1) < .02)
+    claims.check(f"int8 QAT step: {7 * L} s8 x s8 -> s32 dots (7 block matmuls x {L} layers)",
+                 runs["int8"]["dots"].get("s8 x s8 -> s32", 0), 7 * L,
+                 runs["int8"]["dots"].get("s8 x s8 -> s32", 0) == 7 * L)
+    e4, e5 = "f8e4m3fn", "f8e5m2"
+    fp8d = runs["fp8"]["program_dots"]
+    claims.check(f"fp8 QAT program: {7 * L} e4m3 x e4m3 forward, {14 * L} e5m2 backward dots",
+                 f"{fp8d.get(f'{e4} x {e4} -> f32', 0)}, "
+                 f"{fp8d.get(f'{e5} x {e4} -> f32', 0) + fp8d.get(f'{e4} x {e5} -> f32', 0)}",
+                 f"{7 * L}, {14 * L}", fp8d.get(f"{e4} x {e4} -> f32", 0) == 7 * L and
+                 fp8d.get(f"{e5} x {e4} -> f32", 0) + fp8d.get(f"{e4} x {e5} -> f32", 0) == 14 * L)
+    for k in ("int8", "fp8"):
+        claims.check(f"{k} QAT tracks fp32: mean loss of the last 10 steps within 2%",
+                     tail[k] / tail["fp32"] - 1, "|x| < 0.02",
+                     abs(tail[k] / tail["fp32"] - 1) < .02)
+    claims.check("int8 QAT needs no more memory than fp32 (temp within 0.1%)",
+                 mem["int8"]["temp"] / mem["fp32"]["temp"] - 1, "|x| < 0.001",
+                 abs(mem["int8"]["temp"] / mem["fp32"]["temp"] - 1) < 1e-3)
+    claims.check("fp8 QAT temp saving vs the planner's saved-input term (within 25%)",
+                 mem["fp32"]["temp"] - mem["fp8"]["temp"], f"{saved:,.0f}",
+                 abs(mem["fp32"]["temp"] - mem["fp8"]["temp"] - saved) < 0.25 * saved)
+    claims.check("fp8 QAT state = the amax histories (argument bytes, exact)",
+                 mem["fp8"]["argument"] - mem["fp32"]["argument"], hist,
+                 mem["fp8"]["argument"] - mem["fp32"]["argument"] == hist)
+    return {k: {"curve": r["curve"], "held": r["held"], "memory": mem[k],
+                **({"dots": r["dots"], "program_dots": r["program_dots"], "terms": r["terms"]}
+                   if k != "fp32" else {})} for k, r in runs.items()}
+
+
 def main():
     args = C.parse_args(__doc__, "runs/exp23", lambda ap: ap.add_argument(
         "--figure", default=None, help="also copy the figure here (docs/img/exp23_*.png)"))
@@ -123,7 +232,8 @@ def main():
     corpus = load_corpus(cfg.data)
     train = Batches(corpus.train, BATCH, SEQ, seed=0, pad_id=corpus.pad_id)
     held = Batches(corpus.heldout, EVAL_ROWS, SEQ, seed=1, pad_id=corpus.pad_id).global_rows(0)
-    params, curve = train_teacher(cfg, train)
+    teacher = train_run(cfg, train, TEACHER_STEPS, keep=QAT_STEPS)
+    params, curve = teacher["params"], teacher["curve"]
     model = FunctionalModel(dataclasses.replace(cfg.model, dtype="float32"))
     ev = jax.jit(lambda p: mean_loss(model, p, held))
     logits = jax.jit(lambda p: model.apply(p, held["inputs"][:16]))
@@ -247,8 +357,11 @@ def main():
     claims.check("KD (T=1) student's held-out CE no worse than CE-only's", kdr["loss"],
                  f"<= {ce['loss']:.4f}", kdr["loss"] <= ce["loss"])
 
+    qat_runs = qat_training(cfg, train, held, teacher, float(ev(teacher["kept"])), claims, t0)
+
     plt = C.pyplot()
-    fig, ax = plt.subplots(1, 3, figsize=(14, 4))
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    ax = ax.ravel()
     names = list(ptq)
     ax[0].bar(names, [ptq[k]["loss"] - loss_fp32 for k in names], color="C0")
     for i, k in enumerate(names):
@@ -273,13 +386,25 @@ def main():
     ax[2].set_ylim(min(loss_fp32, *(r["loss"] for r in kd.values())) * 0.95, None)
     ax[2].set_ylabel("held-out loss")
     ax[2].set_title(f"2-layer student, {KD_STEPS} steps")
+    base = qat_runs["fp32"]["curve"]
+    for k, style in (("int8", "C1"), ("fp8", "C2")):
+        ax[3].plot(range(1, QAT_STEPS + 1), [a - b for a, b in zip(qat_runs[k]["curve"], base)],
+                   color=style, label=f"plan.qat={k}: held-out {qat_runs[k]['held']:.4f} "
+                                      f"(fp32 {qat_runs['fp32']['held']:.4f})")
+    ax[3].axhline(0, color="C0", lw=0.8)
+    ax[3].set_xlabel("step")
+    ax[3].set_ylabel("train loss - fp32 train loss (same step)")
+    ax[3].set_title(f"QAT vs fp32: same init, batches, schedule; dp=8 "
+                    f"(fp32 loss {base[0]:.2f} -> {base[-1]:.2f})", fontsize=10)
+    ax[3].legend(fontsize=8)
+    fig.tight_layout()
     path = C.save(fig, args.out, "compression.png")
     if args.figure:
         shutil.copyfile(path, args.figure)
         print(f"wrote {args.figure}")
     print(f"{time.time() - t0:.0f} s")
     claims.finish(args.out, {"teacher_curve": curve, "ptq": ptq, "qat": qat_rows,
-                             "pruning": prune, "distillation": kd})
+                             "pruning": prune, "distillation": kd, "qat_training": qat_runs})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Experiment 25: sparse attention, FLOPs skipped by the tile schedule against mask density.
+"""Experiment 25: sparse training: sparse attention (FLOPs skipped by the tile schedule against
+mask density), pruning and distillation during training, sparse embedding-gradient exchange.
 
-Run (CPU, about a minute):
+Run (CPU; `--part attention` or `--part training` for one half; measured on a shared 2-core
+machine: part 1 about 80 s of CPU, part 2 176 s):
 
     python experiments/25_sparse_attention.py --out runs/exp25
 
+Part 1, sparse attention.
 For causal, sliding-window, local+global block-sparse and random block-sparse masks at T=8192
 (H=8, D=128), count the (query block, key block) tiles the Pallas kernel's forward visits
 (`TileSchedule`, block 128 x 64) against the dense count: kernel FLOPs = visited tiles x
@@ -14,8 +17,18 @@ every score, then masks); `blockwise`'s counts a loop body once (XLA cannot know
 trip counts), so the work it skips is measured instead as CPU forward time relative to its dense
 run at T=2048, H=4, D=64, tiles 128x128 (ratios within one run; absolute CPU times mean
 nothing), beside the fraction of its own tiles it visits; the dense row, timed against itself,
-shows how noisy the timing is on a shared machine. Writes a table, JSON and
-sparse.png to --out.
+shows how noisy the timing is on a shared machine. Writes a table, JSON and sparse.png to --out.
+
+Part 2, sparse training (tiny LLaMA, 2 layers, dim 128, byte vocabulary 320, dp=8, the
+framework's own train step on the stdlib corpus):
+pruning during training (`plan.prune`) at 0, 50 % and 75 % magnitude (cubic ramp from update
+PRUNE_START to PRUNE_END) and 2:4, the same batches: the loss on unseen batches (the mean of
+the last 10 steps, each batch taken before its update) and the measured sparsity;
+the sparse embedding-gradient exchange (`plan.sparse_embedding`) against the dense all-reduce,
+bytes from the compiled step's collective census beside the formula; distillation of a smaller
+student (1 layer, dim 64) from the unpruned run as teacher
+(`train.teacher`), with and without the KL term. Writes sparse_training.json and
+exp25_sparse_training.png (--figure, default docs/img/exp25_sparse_training.png).
 """
 from __future__ import annotations
 
@@ -24,6 +37,10 @@ import functools
 import json
 import os
 import time
+
+import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
+C.cpu_only()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -117,16 +134,9 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/exp25")
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--time-seq", type=int, default=2048)
-    ap.add_argument("--no-time", action="store_true", help="skip the CPU timing column")
-    args = ap.parse_args(argv)
+def attention_part(args):
     os.makedirs(args.out, exist_ok=True)
     T, H, D = args.seq, 8, 128
-
     rows = []
     for name, causal, window, bm in masks(T, 128):
         vt = visited_tiles(T, T, causal=causal, window=window, block_mask=bm)
@@ -170,6 +180,197 @@ def main(argv=None):
         json.dump({"T": T, "H": H, "D": D, "rows": rows, "xla_cost_flops_T2048":
                    {"dense": xla_dense, "causal": xla_causal}}, fh, indent=1)
     print(f"\nwrote {args.out}/sparse.png, table.md, results.json")
+
+
+# =============================================================================== part 2
+STEPS, STUDENT_STEPS, LAST = 40, 40, 10
+PRUNE_START, PRUNE_END = 5, 20
+PRUNE = {"dense": (), "magnitude 50%": ("plan.prune=magnitude", "plan.prune_sparsity=0.5"),
+         "2:4": ("plan.prune=2:4",),
+         "magnitude 75%": ("plan.prune=magnitude", "plan.prune_sparsity=0.75")}
+RAMP = (f"plan.prune_start={PRUNE_START}", f"plan.prune_end={PRUNE_END}")
+STUDENT = ("model.n_layers=1", "model.dim=64", "model.ffn_dim=192", "model.n_heads=4",
+           "model.n_kv_heads=2")
+
+
+def _train(cfg, steps, train_b, exe=None):
+    """(setup, compiled step, final state, train losses, mean CE of the last LAST steps, metrics
+    rows). Batch i is seen once, and its loss is taken before the update on it: the last steps'
+    mean is a held-out estimate without an eval step to compile."""
+    from jaxscale.train.setup import build
+    s = build(cfg)
+    exe = exe or s.lower_train_step().compile()
+    fn = exe if s.teacher is None else (lambda st, b: exe(st, b, s.teacher.params))
+    state, rows = s.init_state(), []
+    with jax.set_mesh(s.placement.mesh):
+        for i in range(steps):
+            state, m = fn(state, train_b.device_batch(i, s.batch_shardings()))
+            rows.append({k: float(v) for k, v in jax.device_get(m).items()})
+    losses = [r["loss"] for r in rows]
+    return s, exe, state, losses, float(np.mean(losses[-LAST:])), rows
+
+
+def _zeros(s, params) -> float:
+    from jax.sharding import PartitionSpec as P
+
+    from jaxscale.strategies.prune import is_pruned
+    leaves = [np.asarray(w) for (path, w), n in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(s.model.logical, is_leaf=lambda x: isinstance(x, P))) if is_pruned(path, n)]
+    return float(sum(int((w == 0).sum()) for w in leaves) / sum(w.size for w in leaves))
+
+
+def _census(s, exe):
+    from jaxscale import compiled
+    return compiled.census(exe.as_text(), s.placement.mesh)
+
+
+def _save_teacher(s, state, out) -> str:
+    """A run directory as `jaxscale train` writes it (config.json, checkpoints/<step>)."""
+    import shutil
+    from pathlib import Path
+
+    from jaxscale import checkpoint as ckpt_lib
+    from jaxscale import config as config_lib
+    d = Path(out) / "teacher"
+    shutil.rmtree(d, ignore_errors=True)
+    ck = ckpt_lib.Checkpointer(d / "checkpoints", config_lib.CheckpointConfig(async_save=False))
+    ck.save(STEPS, state, ckpt_lib.make_meta(s.cfg, state, STEPS))
+    ck.wait()
+    ck.close()
+    config_lib.save(s.cfg, d / "config.json")
+    return str(d)
+
+
+def training_part(out, figure):
+    from jaxscale.data import make_batches
+    from jaxscale.strategies import sparse_embedding as SE
+    t0 = time.time()
+    base = C.config(*C.DP8, steps=STEPS, lr=3e-3)
+    train_b, _ = make_batches(base.data)
+    res = {"prune": {}, "embedding": [], "distill": {}}
+
+    # --- pruning during training, and the dense run kept as the teacher
+    teacher_dir = None
+    for name, over in PRUNE.items():
+        cfg = C.apply_overrides(base, list(over + (RAMP if "magnitude" in name else
+                                                   RAMP[:1] if over else ())))
+        s, exe, state, losses, ev, _ = _train(cfg, STEPS, train_b)
+        res["prune"][name] = {"losses": losses, "eval": ev, "zeros": _zeros(s, state.params)}
+        if name == "dense":
+            dense = (s, exe, losses)
+            teacher_dir = _save_teacher(s, state, out)
+    rows = [[n, f"{r['zeros']:.1%}", f"{r['losses'][-1]:.3f}", f"{r['eval']:.3f}"]
+            for n, r in res["prune"].items()]
+    print(C.table(["pruning", "zeros in block weights", "train CE (last step)",
+                   f"CE, last {LAST} steps"],
+                  rows, title=f"\npruning during training ({STEPS} steps, masks from update "
+                              f"{PRUNE_START}; magnitude ramp to update {PRUNE_END})"))
+
+    # --- sparse vs dense embedding exchange: bytes from the compiled step's census
+    from jaxscale.train.setup import build
+    s = build(C.apply_overrides(base, ["plan.sparse_embedding=true"]))
+    exe = s.lower_train_step().compile()      # (equal losses: tests/test_sparse_training.py)
+    runs = [("320", dense[0], dense[1], s, exe)]
+    big = [C.apply_overrides(base, ["model.vocab_size=4096"] + x)
+           for x in ([], ["plan.sparse_embedding=true"])]
+    bd, bs = build(big[0]), build(big[1])
+    runs.append(("4096", bd, bd.lower_train_step().compile(), bs, bs.lower_train_step().compile()))
+    for vocab, sd, ed, ss, es in runs:
+        cd, cs = _census(sd, ed), _census(ss, es)
+        ar = lambda c: sum(r["bytes"] for r in c if r["kind"] == "all-reduce")    # noqa: E731
+        gather = sum(r["bytes"] for r in cs if r["kind"] == "all-gather")
+        spec = ss.placement.spec
+        n, R, D = spec.deg("dp"), SE.rows(spec), spec.model.dim
+        res["embedding"].append({
+            "vocab": int(vocab), "rows_per_device": R, "dense_embedding_allreduce":
+            ar(cd) - ar(cs) + 4, "formula_dense": SE.dense_bytes(spec), "sparse_allgather": gather,
+            "formula_sparse": 4 * n * R * (D + 1), "dense_total": sum(r["bytes"] for r in cd),
+            "sparse_total": sum(r["bytes"] for r in cs),
+            "dense_wire": sum(r["wire_bytes"] for r in cd),
+            "sparse_wire": sum(r["wire_bytes"] for r in cs)})
+    print(C.table(["vocab", "rows R/device", "dense emb. all-reduce B", "formula 4VD",
+                   "sparse all-gathers B", "formula 4NR(D+1)", "step total dense",
+                   "step total sparse", "link bytes dense", "link bytes sparse"],
+                  [[str(e["vocab"]), e["rows_per_device"], e["dense_embedding_allreduce"],
+                    e["formula_dense"], e["sparse_allgather"], e["formula_sparse"],
+                    e["dense_total"], e["sparse_total"], e["dense_wire"], e["sparse_wire"]]
+                   for e in res["embedding"]],
+                  title="\nembedding-gradient exchange over dp=8 (collective census of the step, "
+                        "bytes per device)"))
+
+    # --- distillation: a smaller student with and without the teacher
+    for name, over in (("student, CE only", []),
+                       ("student, KD a=0.5 T=1", [f"train.teacher={teacher_dir}",
+                                                  "train.distill_alpha=0.5",
+                                                  "train.distill_temperature=1"])):
+        cfg = C.apply_overrides(base, list(STUDENT) + over + [f"train.steps={STUDENT_STEPS}"])
+        s, _, _, losses, ev, rows = _train(cfg, STUDENT_STEPS, train_b)
+        res["distill"][name] = {"losses": losses, "eval": ev,
+                                "kd": [r.get("distill_kd") for r in rows],
+                                "params": s.model.cfg.param_count()}
+    res["distill"]["teacher"] = {"eval": res["prune"]["dense"]["eval"],
+                                 "params": dense[0].model.cfg.param_count()}
+    print(C.table(["model", "parameters", f"CE, last {LAST} steps"],
+                  [[n, r["params"], f"{r['eval']:.3f}"] for n, r in res["distill"].items()],
+                  title=f"\ndistillation ({STUDENT_STEPS} steps, same batches)"))
+    res["seconds"] = time.time() - t0
+    with open(os.path.join(out, "sparse_training.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    _plot_training(res, [os.path.join(out, "exp25_sparse_training.png")] + ([figure] if figure
+                                                                            else []))
+    print(f"part 2: {res['seconds']:.0f} s; wrote {out}/sparse_training.json")
+
+
+def _plot_training(res, paths):
+    plt = C.pyplot()
+    fig, axs = plt.subplots(1, 3, figsize=(14, 4.2))
+    smooth = lambda x: np.convolve(x, np.ones(5) / 5, mode="valid")  # noqa: E731
+    for name, r in res["prune"].items():
+        axs[0].plot(smooth(r["losses"]), label=f"{name}: last-{LAST} CE {r['eval']:.3f}")
+    axs[0].axvspan(PRUNE_START, PRUNE_END, color="grey", alpha=0.15, label="magnitude ramp")
+    axs[0].set(xlabel="step", ylabel="train CE (5-step mean)", title="pruning during training")
+    axs[0].legend(fontsize=7)
+    emb = res["embedding"]
+    x = np.arange(len(emb))
+    axs[1].bar(x - 0.2, [e["dense_embedding_allreduce"] / 1e3 for e in emb], 0.4,
+               label="dense all-reduce 4VD")
+    axs[1].bar(x + 0.2, [e["sparse_allgather"] / 1e3 for e in emb], 0.4,
+               label="sparse: all-gather ids + rows")
+    axs[1].set_xticks(x, [f"vocab {e['vocab']}\nR={e['rows_per_device']}" for e in emb])
+    axs[1].set(ylabel="KB per device per step (census)", title="embedding-gradient exchange")
+    axs[1].set_yscale("log")
+    axs[1].legend(fontsize=7)
+    for name, r in res["distill"].items():
+        if "losses" in r:
+            axs[2].plot(smooth(r["losses"]), label=f"{name}: last-{LAST} CE {r['eval']:.3f}")
+    axs[2].axhline(res["distill"]["teacher"]["eval"], color="k", ls="--", lw=1,
+                   label="teacher (last-10 CE)")
+    axs[2].set(xlabel="step", ylabel="student train CE", title="distillation")
+    axs[2].legend(fontsize=7)
+    fig.tight_layout()
+    for p in paths:
+        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+        fig.savefig(p, dpi=110)
+        print(f"wrote {p}")
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/exp25")
+    ap.add_argument("--part", choices=("all", "attention", "training"), default="all")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--time-seq", type=int, default=2048)
+    ap.add_argument("--no-time", action="store_true", help="skip the CPU timing column")
+    ap.add_argument("--figure", default="docs/img/exp25_sparse_training.png",
+                    help="where the sparse-training figure goes ('' : only under --out)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.part in ("all", "attention"):
+        attention_part(args)
+    if args.part in ("all", "training"):
+        training_part(args.out, args.figure)
 
 
 if __name__ == "__main__":

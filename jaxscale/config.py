@@ -22,9 +22,12 @@ from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
 from jaxscale.strategies.compression import METHODS as COMPRESSIONS
+from jaxscale.strategies.local_sgd import METHODS as LOCAL_SGD
 from jaxscale.strategies.pp import SCHEDULES
 from jaxscale.strategies.precision import PRECISIONS
+from jaxscale.strategies.quant import METHODS as QAT_METHODS
 from jaxscale.strategies.sp import CONTEXTS
+from jaxscale.strategies.overlap import MODES as TP_OVERLAPS, XLA_PRESETS
 
 # Every field states its valid values next to its default (`jaxscale.fields`); `check(cfg)`
 # reports every violation at once, before anything is compiled, read or written.
@@ -68,6 +71,8 @@ class OptimConfig:
     b2: float = ranged(0.95, lo=0, below=1)
     eps: float = nonneg(1e-8)
     clip_norm: float = nonneg(1.0)    # 0: no clipping
+    kind: str = one_of("adamw", "adamw", "sgd")   # sgd: lr, momentum, weight_decay (coupled)
+    momentum: float = ranged(0.0, lo=0, below=1)  # sgd's heavy-ball momentum (0: plain SGD)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class PlanConfig:
     check_memory: bool = True         # refuse plans the planner predicts will not fit
     context: str = one_of("ring", *CONTEXTS)      # context parallelism over mesh.sp
     sequence_parallel: bool = False   # Megatron sequence parallelism over mesh.tp
+    tp_overlap: str = one_of("none", *TP_OVERLAPS)  # TP+SP matmuls as collective matmuls
+    xla_preset: str = one_of("default", *XLA_PRESETS)  # XLA scheduler options (overlap.py)
     schedule: str = one_of("1f1b", *SCHEDULES)    # pipeline schedule over mesh.pp
     virtual_stages: int = positive(1)  # virtual pipeline stages per device (interleaved)
     compression: str = one_of("none", "none", *COMPRESSIONS)  # gradient compression over dp
@@ -91,6 +98,20 @@ class PlanConfig:
     compression_density: float = ranged(0.01, above=0, hi=1)  # topk/threshold: share sent
     compression_threshold: float = nonneg(0.0)  # threshold: send |g| >= this (cap: density)
     compression_rank: int = positive(4)        # PowerSGD rank
+    local_sgd: str = one_of("none", "none", *LOCAL_SGD)  # local SGD over dp (strategies/local_sgd)
+    local_steps: int = positive(1)    # H: inner steps between two averages of the replicas
+    local_warmup: int = nonneg(0)     # post_local: synchronous steps before going local
+    outer_lr: float = nonneg(0.0)     # 0: the method's (local, post_local, slowmo 1; diloco 0.7)
+    outer_momentum: float = ranged(-1.0, lo=-1, below=1)  # -1: the method's (slowmo 0.5,
+                                      # diloco 0.9 Nesterov, local and post_local 0)
+    prune: str = "none"               # none | magnitude | N:M (e.g. 2:4): the block matmul
+                                      # weights pruned after every update (strategies/prune)
+    prune_sparsity: float = ranged(0.5, lo=0, below=1)   # magnitude: target share of zeros
+    prune_start: int = nonneg(0)      # step the cubic sparsity ramp starts (magnitude)
+    prune_end: int = nonneg(0)        # step it reaches prune_sparsity; 0: at prune_start
+    sparse_embedding: bool = False    # dp: exchange only the embedding rows a device touched
+    qat: str = one_of("none", "none", *QAT_METHODS)  # 8-bit block matmuls (strategies/quant)
+    fp8_amax_history: int = nonneg(16)  # fp8 delayed scaling's amax history; 0: just in time
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,9 @@ class TrainConfig:
     out: str = ""                     # run directory; "" -> runs/<name>
     nonfinite: str = one_of("skip", "skip", "stop")   # non-finite loss or grad norm: skip the
                                       # update | stop the run
+    teacher: str = ""                 # distillation: the teacher's run or checkpoint dir
+    distill_temperature: float = positive(1.0)   # softmax temperature T of the KL term
+    distill_alpha: float = ranged(0.5, lo=0, hi=1)   # loss = a T^2 KL + (1 - a) CE
 
 
 @dataclass(frozen=True)

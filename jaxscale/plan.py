@@ -29,15 +29,20 @@ from dataclasses import dataclass, field, replace
 from jaxscale import hardware
 from jaxscale.axes import MESH_AXES, Rules
 from jaxscale.fields import raise_problems
-from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, offload, pp, precision,
-                                 remat, sp, tp, zero)
+from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, local_sgd, offload, pp,
+                                 precision, prune, remat, sp, sparse_embedding, tp, zero)
+from jaxscale.strategies import overlap
+from jaxscale.strategies import quant
 
 #: every strategy, in the order their problems, rules, collectives and memory terms compose
-STRATEGIES = (dp, fsdp, zero, tp, sp, ep, pp, precision, accumulate, remat, offload, compression)
+STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
+              compression, sparse_embedding, prune, local_sgd, quant)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
-           "sequence_parallel", "schedule", "virtual_stages", "compression", "compression_block",
-           "compression_density", "compression_threshold", "compression_rank")
+           "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
+           "compression", "compression_block", "compression_density", "compression_threshold", "compression_rank", "prune",
+           "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
+           "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Spec:
     donate: bool = True
     context: str = "ring"               # context parallelism over `sp`: ring | ulysses | allgather
     sequence_parallel: bool = False     # Megatron SP: the residual stream split over tp too
+    tp_overlap: str = "none"            # collective matmul for TP+SP (strategies/overlap)
+    xla_preset: str = "default"         # XLA scheduler options (overlap.XLA_PRESETS)
     schedule: str = "1f1b"              # pipeline schedule when pp > 1
     virtual_stages: int = 1             # virtual stages per device (interleaved)
     compression: str = "none"           # gradient compression over dp (strategies/compression)
@@ -64,6 +71,18 @@ class Spec:
     compression_density: float = 0.01
     compression_threshold: float = 0.0
     compression_rank: int = 4
+    local_sgd: str = "none"             # local SGD over dp (strategies/local_sgd)
+    local_steps: int = 1                # H: inner steps between averages
+    local_warmup: int = 0               # post_local: synchronous steps first
+    outer_lr: float = 0.0               # 0: the method's
+    outer_momentum: float = -1.0        # -1: the method's
+    prune: str = "none"                 # pruning during training (strategies/prune)
+    prune_sparsity: float = 0.5
+    prune_start: int = 0
+    prune_end: int = 0
+    sparse_embedding: bool = False      # sparse embedding-gradient exchange over dp
+    qat: str = "none"                   # 8-bit matmuls, quantisation-aware (strategies/quant)
+    fp8_amax_history: int = 16          # fp8 delayed scaling's history; 0: current scaling
 
     # ------------------------------------------------------------------ construction
     @classmethod

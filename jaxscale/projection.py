@@ -10,6 +10,8 @@ sets `Rules.projection` to it in its `rules`; the model itself never learns whic
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable
 
 from jaxscale.axes import active
@@ -44,3 +46,60 @@ def project(eq: str, x, w, site: str, names: tuple[tuple, tuple, tuple], **kw):
         raise ValueError(f"unknown projection implementation {impl!r}; registered: "
                          f"{', '.join(sorted(IMPLEMENTATIONS)) or 'none'}")
     return IMPLEMENTATIONS[impl](eq, x, w, site, names, ctx[0], ctx[1], **kw)
+
+
+# ----------------------------------------------------------------------------- per-layer inputs
+# An implementation with per-layer state (fp8 delayed scaling: each layer's scales) hands the
+# model's layer loop a tree of [layers, ...] arrays with `layer_inputs`; the loop (`Llama.blocks`)
+# scans it beside the stacked weights and each layer's matmuls read their slice with
+# `layer_input()`. Gradients with respect to the tree flow back through the scan as usual.
+_LAYER_INPUTS: contextvars.ContextVar = contextvars.ContextVar("jaxscale_layer_inputs",
+                                                               default=None)
+_LAYER_INPUT: contextvars.ContextVar = contextvars.ContextVar("jaxscale_layer_input", default=None)
+
+
+@contextlib.contextmanager
+def layer_inputs(tree):
+    """While tracing inside the block, the model's layer loop carries `tree` ([layers, ...]
+    leaves), one slice per layer."""
+    token = _LAYER_INPUTS.set(tree)
+    try:
+        yield
+    finally:
+        _LAYER_INPUTS.reset(token)
+
+
+def scanned_inputs(rows: tuple[int, int] | None = None):
+    """The per-layer inputs set by `layer_inputs` (layers start..start+n-1 with `rows`), or None."""
+    tree = _LAYER_INPUTS.get()
+    if tree is None or rows is None:
+        return tree
+    import jax
+    return jax.tree.map(lambda a: a[rows[0]:rows[0] + rows[1]], tree)
+
+
+def with_layer_input(body: Callable) -> Callable:
+    """body(x, layer_state) -> fn(x, (layer_state, this layer's inputs)) running body with
+    `layer_input()` (and a fresh `layer_cache()`) set: the layer loop's step."""
+    def run(x, xs):
+        state, mine = xs
+        token = _LAYER_INPUT.set((mine, {}))
+        try:
+            return body(x, state)
+        finally:
+            _LAYER_INPUT.reset(token)
+    return run
+
+
+def layer_input():
+    """This layer's slice of the per-layer inputs, or None."""
+    here = _LAYER_INPUT.get()
+    return None if here is None else here[0]
+
+
+def layer_cache() -> dict | None:
+    """A dict living while one layer is traced (None outside the layer loop), for values its
+    matmuls share: one fp8 cast of the input that q, k and v all read, so that their backward
+    keeps one copy."""
+    here = _LAYER_INPUT.get()
+    return None if here is None else here[1]

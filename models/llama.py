@@ -5,7 +5,9 @@ metadata), activations pass through `constrain(x, "batch", "seq", ...)` (the res
 through `"norm_seq"`, the axis sequence parallelism splits), and the activations that
 remat/offload policies talk about are tagged with `checkpoint_name` (see `TAGS`). No mesh axis and
 no strategy flag appears here; a strategy reaches the layers only through `block_wrapper`, a
-function applied to each block's pure `(x, block_state) -> x` function (e.g. `jax.checkpoint`).
+function applied to each block's pure `(x, block_state) -> x` function (e.g. `jax.checkpoint`),
+and through `jaxscale.projection` (the weight matmuls, and per-layer inputs the layer loop
+carries for them beside the stacked weights: fp8 QAT's scales).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from jaxscale.attention import IMPLEMENTATIONS, attention
 from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
-from jaxscale.projection import project
+from jaxscale.projection import project, scanned_inputs, with_layer_input
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -392,19 +394,21 @@ class Llama(nnx.Module):
             return nnx.merge(graphdef, block_state)(x, positions_BT, segment_ids_BT, inv_freq)
 
         wrap = block_wrapper or (lambda f: f)
+        side = scanned_inputs(rows)      # per-layer inputs of the plan's projection, or None
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             if rows is not None:
                 state = jax.tree.map(lambda a: a[rows[0]:rows[0] + rows[1]], state)
-            body = wrap(lambda x, st: block_fn(x, st, graphdef))
-            x_BTD, stats = jax.lax.scan(body, x_BTD, state)    # stats: leaves stacked [L, ...]
+            body = with_layer_input(wrap(lambda x, st: block_fn(x, st, graphdef)))
+            x_BTD, stats = jax.lax.scan(body, x_BTD, (state, side))   # stats: stacked [L, ...]
             return x_BTD, [stats] if stats else []
         if rows is not None:
             raise ValueError("a share of the layers (rows=) needs model.scan_layers=true")
         stats = []
-        for blk in self.layers:
+        for i, blk in enumerate(self.layers):
             graphdef, state = nnx.split(blk)
-            x_BTD, st = wrap(lambda x, st, g=graphdef: block_fn(x, st, g))(x_BTD, state)
+            body = with_layer_input(wrap(lambda x, st, g=graphdef: block_fn(x, st, g)))
+            x_BTD, st = body(x_BTD, (state, jax.tree.map(lambda a: a[i], side)))
             stats += [jax.tree.map(lambda a: a[None], st)] if st else []
         return x_BTD, stats
 

@@ -120,11 +120,13 @@ def init_state(spec, abstract_params):
                                                     **params(spec)), n)
 
 
-def wrap(grads_fn, placement):
-    """(params, batch, scale, state) -> (mean gradients, loss, tokens, stats, state): `grads_fn`
-    (`step.make_grads_fn`'s contract) run on each device's rows inside `jax.shard_map` over dp,
-    its token-mean gradients weighted by the device's share of the tokens, then averaged by the
-    plan's method."""
+def wrap(grads_fn, placement, mean=None):
+    """(params, batch, scale, state, *extra) -> (mean gradients, loss, tokens, stats, state):
+    `grads_fn` (`step.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
+    parameters, passed on to it, replicated) run on each device's rows inside `jax.shard_map`
+    over dp, its token-mean gradients weighted by the device's share of the tokens, then averaged
+    by the plan's method, or by `mean(grads, state, local batch) -> (mean, state)` when given
+    (`strategies.sparse_embedding.mean`)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -133,23 +135,28 @@ def wrap(grads_fn, placement):
     spec, mesh = placement.spec, placement.mesh
     n, kw = spec.deg("dp"), params(spec)
 
-    def body(params_, batch, scale, state):
+    def body(params_, batch, scale, state, *extra):
         with suspended():
-            grads, loss, ntok, stats = grads_fn(params_, batch, scale)
+            grads, loss, ntok, stats = grads_fn(params_, batch, scale, *extra)
         total = jax.lax.psum(ntok, "dp")
         weight = ntok * n / jax.numpy.where(total > 0, total, 1.0)
         local = None if state is None else jax.tree.map(lambda a: a[0], state)
-        mean, local = compression.compressed_mean(
-            spec.compression, jax.tree.map(lambda g: g * weight, grads), local, ("dp",), **kw)
+        weighted = jax.tree.map(lambda g: g * weight, grads)
+        if mean is None:
+            avg, local = compression.compressed_mean(spec.compression, weighted, local, ("dp",),
+                                                     **kw)
+        else:
+            avg, local = mean(weighted, local, batch)
         loss = jax.lax.psum(loss * ntok, "dp") / jax.numpy.where(total > 0, total, 1.0)
         stats = jax.tree.map(lambda s: jax.lax.pmean(s, "dp"), stats)
         state = None if local is None else jax.tree.map(lambda a: a[None], local)
-        return mean, loss, total, stats, state
+        return avg, loss, total, stats, state
 
-    def run(params_, batch, scale, state):
+    def run(params_, batch, scale, state, *extra):
         st_spec = None if state is None else jax.tree.map(lambda _: P("dp"), state)
         rows = jax.tree.map(lambda _: P("dp"), batch)
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(), rows, P(), st_spec),
+        return jax.shard_map(body, mesh=mesh,
+                             in_specs=(P(), rows, P(), st_spec) + (P(),) * len(extra),
                              out_specs=(P(), P(), P(), P(), st_spec), check_vma=False)(
-            params_, batch, scale, state)
+            params_, batch, scale, state, *extra)
     return run

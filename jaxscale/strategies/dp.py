@@ -59,8 +59,9 @@ def collectives(spec) -> list[Comm]:
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
     data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1]
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
-    if (not data and not seq) or spec.compression != "none":   # compression.py reduces then
-        return []
+    if (not data and not seq) or spec.compression != "none" or spec.sparse_embedding \
+            or spec.local_sgd != "none":
+        return []           # compression.py / sparse_embedding.py / local_sgd.py reduce then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.stage_layers
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])

@@ -77,6 +77,9 @@ def collectives(spec) -> list[Comm]:
                      "final norm output into the LM head, forward and backward", group=t),
                 Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
+        from jaxscale.strategies import overlap
+        if overlap.active(spec):    # collective matmul: the block's gathers and scatters are
+            rows = rows[2:]         # ring permutes, counted by overlap.collectives
     else:
         extra, moe_redo = _expert_extra(spec)      # MoE layers: their MLP's on the slot buffer
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,

@@ -44,7 +44,7 @@ from jaxscale import hardware
 from jaxscale.data import Batches, make_batches
 from jaxscale.strategies import pp, precision
 from jaxscale.train.setup import build
-from jaxscale.train.step import MOE_METRICS
+from jaxscale.train.step import DISTILL_METRICS, MOE_METRICS
 
 
 
@@ -257,7 +257,8 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
                    "skipped": int(m.get("skipped", 0))}
             if "loss_scale" in m:
                 row["loss_scale"] = float(m["loss_scale"])
-            row.update({key: float(m[key]) for key in MOE_METRICS if key in m})
+            row.update({key: float(m[key]) for key in MOE_METRICS + DISTILL_METRICS
+                        if key in m})
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or step == 0
                                          or done == cfg.train.steps):
                 row["eval_loss"] = evaluate(setup, state.params, eval_b,

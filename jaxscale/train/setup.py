@@ -33,6 +33,7 @@ class Setup:
     train_step: Any          # jitted
     eval_step: Any           # jitted
     grads_fn: Any            # (params, batch, scale) -> (grads, loss, tokens); pure, for tools
+    teacher: Any = None      # distill.Teacher (train.teacher), bound into train_step, else None
 
     def jit_grads(self):
         """`grads_fn` jitted with the plan's shardings (parameters in device memory)."""
@@ -85,14 +86,22 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     host_sh = state_lib.state_shardings(model, optimizer, placement, lay)
     dev_sh = state_lib.state_shardings(model, optimizer, placement, lay, on_device=True)
     wrapper = remat.block_wrapper(cfg.plan.remat)
+    teacher = None
+    if cfg.train.teacher:              # distillation: the frozen teacher, restored in shards
+        from jaxscale import distill
+        teacher = distill.load(cfg, placement, pol)
     train_fn = step_lib.make_train_step(model, optimizer, schedule, placement, pol, lay, dev_sh,
-                                        host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper)
+                                        host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper,
+                                        distill=teacher)
     packed = bool(cfg.data.shards)
     train_step = step_lib.jit_train_step(train_fn, host_sh, placement,
                                          donate=cfg.plan.donate if donate is None else donate,
-                                         packed=packed)
+                                         packed=packed,
+                                         teacher_sh=teacher.shardings if teacher else None)
+    if teacher is not None:
+        train_step = teacher.bind(train_step)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, placement, dev_sh.params),
                                        host_sh, placement, packed)
     grads_fn = step_lib.plan_grads_fn(model, placement, cfg.plan.accumulate, wrapper)
     return Setup(cfg, placement, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
-                 eval_step, grads_fn)
+                 eval_step, grads_fn, teacher)

@@ -62,7 +62,9 @@ class TrainState:
     opt_state: Any
     master: Any = None          # fp32 master weights (16-bit policies), else None
     loss_scale: Any = None      # {"scale", "good_steps"} for dynamic loss scaling, else None
-    comm: Any = None            # gradient compression's per-device state ([dp, ...]), else None
+    comm: Any = None            # gradient compression's per-device state ([dp, ...]), local
+                                # SGD's replicas and their optimizer states ([dp, ...]), else None
+    quant: Any = None           # fp8 QAT's amax histories ([layers, slots, history]), else None
 
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Any]:
@@ -71,8 +73,13 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
         init_value=0.0, peak_value=optim.lr, warmup_steps=min(optim.warmup_steps, decay),
         decay_steps=max(decay, optim.warmup_steps + 1), end_value=optim.lr * optim.min_lr_ratio)
     parts = [clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                             weight_decay=optim.weight_decay, mask=_decay_mask))
+    if optim.kind == "sgd":         # weight decay added to the gradient, then (heavy-ball) SGD
+        if optim.weight_decay > 0:
+            parts.append(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask))
+        parts.append(optax.sgd(schedule, momentum=optim.momentum or None))
+    else:
+        parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                                 weight_decay=optim.weight_decay, mask=_decay_mask))
     return optax.chain(*parts), schedule
 
 
@@ -135,31 +142,40 @@ def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayo
 
     def kind(part):
         return None if on_device else memory_kind(part, lay.offload)
+    from jaxscale.strategies import compression, local_sgd, quant
     opt_target = lay.specs.shards if (lay.master or lay.zero) else lay.specs.params
-    abstract_opt = jax.eval_shape(optimizer.init, model.abstract_params)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt,
+    state_opt = local_sgd.state_optimizer(placement.spec, optimizer)   # local SGD: the outer one
+    abstract_opt = jax.eval_shape(state_opt.init, model.abstract_params)
+    opt_sh = optax.tree_map_params(state_opt, lambda _, s: s, abstract_opt,
                                    named_shardings(placement, opt_target, kind("optimizer")),
                                    transform_non_params=lambda _: placement.replicated())
     rep = placement.replicated()
-    from jaxscale.strategies import compression
     comm = compression.init_state(placement.spec, model.abstract_params)
+    if comm is None:        # local SGD's replicas and their inner optimizer states, [dp, ...]
+        comm = jax.eval_shape(lambda p: local_sgd.init_state(placement.spec, p, optimizer),
+                              model.abstract_params)
     return TrainState(
         step=rep, params=named_shardings(placement, lay.specs.params, kind("params")),
         opt_state=opt_sh,
         master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None,
-        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), comm))
+        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), comm),
+        quant=jax.tree.map(lambda _: rep, quant.init_state(placement.spec)))
 
 
 def _fresh(model, optimizer, policy, key, spec=None) -> TrainState:
-    from jaxscale.strategies import compression
+    from jaxscale.strategies import compression, local_sgd, quant
     from jaxscale.strategies.precision import cast_tree, init_loss_scale
     master = model.init(key)                     # initialised in fp32
     params = cast_tree(master, policy.param_dtype) if policy.master else master
+    comm = compression.init_state(spec, master) if spec is not None else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(master), master=master if policy.master else None,
+                      opt_state=local_sgd.state_optimizer(spec, optimizer).init(master),
+                      master=master if policy.master else None,
                       loss_scale=init_loss_scale(policy),
-                      comm=compression.init_state(spec, master) if spec is not None else None)
+                      comm=comm if comm is not None else local_sgd.init_state(spec, master,
+                                                                              optimizer),
+                      quant=quant.init_state(spec))
 
 
 def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,

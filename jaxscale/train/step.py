@@ -16,6 +16,14 @@ layer by layer and written back into host memory (`offload.streamed_update`). A 
 or gradient norm is not finite leaves parameters, master and optimizer state untouched, reports
 `skipped=1` and (with loss scaling) halves the scale; carrying on or stopping is the loop's
 policy. The train state is donated: its buffers are reused for the new state.
+
+With `plan.local_sgd` the step is another one (`strategies.local_sgd.make_train_step`): the
+same gradients per device in `jax.shard_map` over dp, each device's own optimizer update of its
+replica (`TrainState.comm`), and every H-th step the average into the anchor (`params`).
+
+With `plan.qat=fp8` (delayed scaling) the per-layer fp8 scales from `TrainState.quant` go into
+the grads function, the amaxes the matmuls saw come out beside the gradients (as the scales'
+cotangent, `jaxscale.qat`), and the step rolls them into the histories.
 """
 from __future__ import annotations
 
@@ -26,8 +34,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from jaxscale import qat
 from jaxscale.axes import use_rules
-from jaxscale.strategies import accumulate, compression, offload, pp, sp
+from jaxscale.strategies import accumulate, compression, offload, overlap, pp, sp
 from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
 from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_spec,
                                   named_shardings)
@@ -56,9 +65,12 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
 
 
 def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | None = None,
-                  layout: Callable | None = None, with_stats: bool = False):
+                  layout: Callable | None = None, with_stats: bool = False, distill=None):
     """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches
     (`with_stats`: and a dict of the mixture-of-experts metrics, `MOE_METRICS`; {} if dense).
+    `distill` (`jaxscale.distill.Teacher`): the grads_fn takes the teacher's parameters as a
+    fourth argument and optimises a T^2 KL(teacher || student) + (1 - a) CE per token
+    (`Teacher.objective`); the reported `loss` stays the cross entropy, `distill_kd` the KL term.
 
     Differentiates sum(token losses) x scale / (B x T): gradients the size of a mean loss's (what a
     loss scale is tuned for), rescaled exactly to the token mean afterwards. `layout` (context
@@ -72,26 +84,38 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
     at their weights exactly."""
     moe = model.cfg.moe_experts > 0
 
-    def sum_loss(params, batch, factor, reg_tokens):
+    def sum_loss(params, batch, factor, reg_tokens, teacher=None):
         if not moe:
             logits = model.apply(params, batch["inputs"], batch.get("positions"),
                                  batch.get("segment_ids"), block_wrapper=block_wrapper)
             total, n = token_loss(logits, batch["targets"], batch["mask"])
-            return total * factor, (total, n)
+            if distill is None:
+                return total * factor, (total, n)
+            objective, kd = distill.objective(logits, total, batch, teacher)
+            return objective * factor, (total, n, kd)
         logits, aux = model.module(params)(batch["inputs"], batch.get("positions"),
                                            batch.get("segment_ids"), block_wrapper,
                                            return_aux=True)
         total, n = token_loss(logits, batch["targets"], batch["mask"])
         reg = model.cfg.moe_aux_weight * aux["aux_loss"] + model.cfg.moe_z_weight * aux["z_loss"]
         stats = tuple(aux[key] for key in ("aux_loss", "z_loss", "dropped", "routed"))
-        return (total + reg * reg_tokens) * factor, (total, n, stats)
+        if distill is None:
+            return (total + reg * reg_tokens) * factor, (total, n, stats)
+        objective, kd = distill.objective(logits, total, batch, teacher)
+        return (objective + reg * reg_tokens) * factor, (total, n, stats, kd)
 
-    def grads_fn(params, batch, scale=1.0):
+    def grads_fn(params, batch, scale=1.0, teacher=None, *, quant=None):
         batch = layout(batch) if layout else batch
         slots = batch["targets"].size
         reg_tokens = jnp.sum(batch["mask"].astype(jnp.float32)) / k if moe else None
-        grads, (total, ntok, *rest) = accumulate.grads(
-            lambda p, b: sum_loss(p, b, scale / slots, reg_tokens), params, batch, k)
+        fn = lambda p, b: sum_loss(p, b, scale / slots, reg_tokens, teacher)  # noqa: E731
+        if quant is not None:   # fp8 delayed scaling: per-layer scales in, their amaxes out
+            fn, params = qat.probing(fn), (params, quant)
+        grads, (total, ntok, *rest) = accumulate.grads(fn, params, batch, k)
+        amax = None
+        if quant is not None:   # the "gradient" of the scales: the amaxes seen (mean over k)
+            grads, amax = grads[0], grads[1] / k
+        kd, rest = (rest[-1], rest[:-1]) if distill is not None else (None, rest)
         denom = jnp.where(ntok > 0, ntok, 1.0) / slots * scale
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
         loss = total / jnp.where(ntok > 0, ntok, 1.0)
@@ -101,6 +125,10 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
         if moe:
             aux, z, dropped, routed = rest[0]
             stats = {"moe_aux_loss": aux / k, "moe_z_loss": z / k, "moe_dropped": dropped / routed}
+        if distill is not None:
+            stats["distill_kd"] = kd / jnp.where(ntok > 0, ntok, 1.0)
+        if amax is not None:
+            stats[qat.AMAX] = amax
         return grads, loss, ntok, stats
     return grads_fn
 
@@ -108,25 +136,42 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
 #: the train step's metrics of a mixture-of-experts model: the router losses (unweighted, averaged
 #: over layers and micro-batches) and the fraction of expert assignments dropped by capacity
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
+#: with a distillation teacher (`train.teacher`): the token-mean T^2 KL(teacher || student)
+DISTILL_METRICS = ("distill_kd",)
 
 
 def plan_grads_fn(model: FunctionalModel, placement, k: int = 1,
-                  block_wrapper: Callable | None = None, with_stats: bool = False):
+                  block_wrapper: Callable | None = None, with_stats: bool = False, distill=None):
     """`make_grads_fn` for the plan: through the pipeline engine when mesh.pp > 1 (its k
     micro-batches are the schedule's m), with context parallelism's token layout when sp > 1."""
     if pp.active(placement.spec):
         from jaxscale.train import pipeline
         fn = pipeline.make_grads_fn(model, placement, block_wrapper)
         return fn if with_stats else (lambda *a: fn(*a)[:3])
-    return make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec), with_stats)
+    return make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec), with_stats,
+                         distill)
 
 
 def make_train_step(model: FunctionalModel, optimizer, schedule, placement, policy,
                     lay: StateLayout, device_sh: TrainState, host_sh: TrainState, k: int = 1,
-                    block_wrapper: Callable | None = None):
-    grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True)
+                    block_wrapper: Callable | None = None, distill=None):
+    """The train step (state, batch) -> (state, metrics); with `distill` (a `distill.Teacher`)
+    (state, batch, teacher params) -> ..., the teacher's parameters an argument (not donated,
+    not in the state). With `plan.prune`, the updated weights are masked (`prune.pruner`)."""
+    from jaxscale.strategies import local_sgd, prune, sparse_embedding
+    if local_sgd.active(placement.spec):    # replicas trained apart, averaged every H steps
+        return local_sgd.make_train_step(model, optimizer, schedule, placement, policy, k,
+                                         block_wrapper)
+    grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True,
+                             distill=distill)
     compressed = compression.wrap(grads_fn, placement) if compression.active(placement.spec) \
         else None
+    if sparse_embedding.active(placement.spec):
+        compressed = compression.wrap(grads_fn, placement,
+                                      mean=sparse_embedding.mean(placement.spec))
+    pruner = prune.pruner(placement.spec, model.logical, placement.mesh,
+                          lay.specs.shards if lay.master else lay.specs.params) \
+        if prune.active(placement.spec) else None
     grads_sh = named_shardings(placement, lay.specs.grads)
     param_index = jax.tree.unflatten(jax.tree.structure(model.abstract_params),
                                      range(len(jax.tree.leaves(model.abstract_params))))
@@ -136,19 +181,22 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
     def to(tree, shardings):
         return offload.move(tree, shardings, lay.offload)
 
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, *teacher):
         with use_rules(placement.mesh, placement.rules):
             params = to(state.params, device_sh.params)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             if compressed:
                 grads, loss, ntok, moe_stats, comm = compressed(params, batch, jnp.asarray(
-                    scale, jnp.float32), state.comm)
+                    scale, jnp.float32), state.comm, *teacher)
             else:
-                grads, loss, ntok, moe_stats = grads_fn(params, batch, scale)
+                fp8 = {} if state.quant is None else {"quant": qat.scales(state.quant)}
+                grads, loss, ntok, moe_stats = grads_fn(params, batch, scale, *teacher, **fp8)
                 comm = state.comm
+            amax = moe_stats.pop(qat.AMAX, None)      # fp8 QAT: the amaxes the matmuls saw
             grads = jax.lax.with_sharding_constraint(grads, grads_sh)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            quant = state.quant if amax is None else qat.update_history(state.quant, amax, finite)
             if comm is not None:        # a skipped step keeps its error-feedback residual too
                 comm = keep_if_finite(finite, comm, state.comm)
 
@@ -159,6 +207,8 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
                 target = master if master is not None else params
                 updates, new_opt = optimizer.update(grads, opt_state, target, grad_norm=grad_norm)
                 new_target = optax.apply_updates(target, updates)
+                if pruner is not None:      # the mask of the updated weights, every step
+                    new_target = pruner(new_target, state.step + 1)
                 new_params = cast_tree(new_target, policy.param_dtype) if master is not None \
                     else new_target
                 return (keep_if_finite(finite, new_params, params),
@@ -185,7 +235,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
         new_state = TrainState(
             step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
             loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval),
-            comm=comm)
+            comm=comm, quant=quant)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **moe_stats}
         if state.loss_scale is not None:
@@ -216,10 +266,13 @@ def make_eval_step(model: FunctionalModel, placement, device_param_sh):
 
 
 def jit_train_step(step_fn, state_sh: TrainState, placement, donate: bool = True,
-                   packed: bool = False):
-    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(placement, packed)),
+                   packed: bool = False, teacher_sh=None):
+    """`teacher_sh`: the shardings of a distillation teacher's parameters, the third argument."""
+    extra = () if teacher_sh is None else (teacher_sh,)
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(placement, packed)) + extra,
                    out_shardings=(state_sh, placement.replicated()),
-                   donate_argnums=(0,) if donate else ())
+                   donate_argnums=(0,) if donate else (),
+                   compiler_options=overlap.compiler_options(placement.spec.xla_preset) or None)
 
 
 def jit_eval_step(eval_fn, state_sh: TrainState, placement, packed: bool = False):

@@ -1,0 +1,135 @@
+"""Collective matmul: an all-gather or reduce-scatter decomposed into ring hops that each overlap
+one partial matmul (Wang et al., "Overlap Communication with Dependent Computation via
+Decomposition in Large Deep Learning Models", ASPLOS'23).
+
+Both functions run on per-device shards inside `jax.shard_map` and take the einsum `eq` of one
+local matmul, with the split (sequence) dimension at `x_seq` of the activation and `out_seq` of
+the result; `axis` names the mesh axis of the ring (t devices, t = its size).
+
+- `allgather_matmul(eq, x, w)`: einsum(all_gather(x, axis, along x_seq), w). Instead of one
+  all-gather of x (t-1 chunks received, then the matmul), x's chunk moves around the ring:
+  each of the t-1 hops is a `ppermute` of one [.., T/t, ..] chunk, and the matmul of the chunk
+  already here runs while the next one travels. Output chunk by output chunk, so the full x is
+  never held at once beyond the residuals autodiff keeps for the weight gradient.
+- `matmul_reduce_scatter(eq, x, w)`: psum_scatter(einsum(x, w), axis, along out_seq). Instead
+  of computing the whole partial product and then reduce-scattering it, an accumulator per
+  output chunk travels the ring: at each of the t-1 hops a device adds its partial product for
+  that chunk to the accumulator it received, then passes it on; the chunk's owner adds its own
+  last.
+
+Collectives: t-1 `collective-permute`s of one chunk (1/t of the gathered or scattered array)
+per call, the same bytes a ring all-gather / reduce-scatter puts on each link, in t-1 steps
+the scheduler can interleave with the t partial matmuls. `bidirectional=True` sends half the
+chunks each way round the ring (ceil((t-1)/2) sequential steps, two permutes in flight per
+step, same total bytes). The trade: t smaller matmuls instead of one (less efficient on a GPU
+when a chunk is small), and under autodiff the permuted chunks are residuals (the backward of
+each permute is the reverse permute, so gradients are collective matmuls too).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def ring_split(t: int, bidirectional: bool) -> tuple[int, int]:
+    """Hops forward (j -> j+1) and backward (j -> j-1) that cover the t-1 other devices."""
+    if not bidirectional:
+        return t - 1, 0
+    return t // 2, (t - 1) // 2
+
+
+def _perms(t: int):
+    fwd = [(j, (j + 1) % t) for j in range(t)]
+    bwd = [(j, (j - 1) % t) for j in range(t)]
+    return fwd, bwd
+
+
+def _put(out, y, chunk, seq: int):
+    """out with y written at sequence chunk `chunk` (a traced index)."""
+    return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), chunk * y.shape[seq], seq)
+
+
+def _take(x, chunk, size: int, seq: int):
+    return lax.dynamic_slice_in_dim(x, chunk * size, size, seq)
+
+
+def allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,
+                     bidirectional: bool = False, **einsum_kw):
+    """einsum(eq, all_gather(x, axis, axis=x_seq, tiled=True), w) as t-1 ring hops of x's chunk,
+    each overlapping the matmul of the chunk already here (call inside `shard_map`).
+
+    x: this device's sequence chunk [.., T/t, ..] (chunk index = its position on `axis`);
+    w: the local weight (not split along the contraction). Returns [.., T, ..] along out_seq."""
+    t = lax.axis_size(axis)
+    mm = lambda a: jnp.einsum(eq, a, w, **einsum_kw)           # noqa: E731
+    y = mm(x)
+    if t == 1:
+        return y
+    idx = lax.axis_index(axis)
+    shape = list(y.shape)
+    shape[out_seq] *= t
+    out = _put(jnp.zeros(shape, y.dtype), y, idx, out_seq)
+    kf, kb = ring_split(t, bidirectional)
+    fwd_perm, bwd_perm = _perms(t)
+    f = b = x
+    for s in range(1, max(kf, kb) + 1):
+        # the hop of step s carries the chunk of device idx - s (forward) / idx + s (backward);
+        # the matmul of the chunk received at step s-1 has no dependence on it
+        if s <= kf:
+            f = lax.ppermute(f, axis, fwd_perm)
+            out = _put(out, mm(f), (idx - s) % t, out_seq)
+        if s <= kb:
+            b = lax.ppermute(b, axis, bwd_perm)
+            out = _put(out, mm(b), (idx + s) % t, out_seq)
+    return out
+
+
+def matmul_reduce_scatter(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,
+                          bidirectional: bool = False, **einsum_kw):
+    """psum_scatter(einsum(eq, x, w), axis, scatter_dimension=out_seq, tiled=True) as t-1 ring
+    hops of an accumulator, each overlapping the partial matmul of the next chunk (call inside
+    `shard_map`).
+
+    x: the full sequence [.., T, ..] along x_seq with the contraction split over `axis` (each
+    device holds a partial sum); returns this device's summed chunk [.., T/t, ..]."""
+    t = lax.axis_size(axis)
+    if t == 1:
+        return jnp.einsum(eq, x, w, **einsum_kw)
+    if x.shape[x_seq] % t:
+        raise ValueError(f"matmul_reduce_scatter: sequence length {x.shape[x_seq]} (dimension "
+                         f"{x_seq}) is not divisible by the {t} devices of axis {axis!r}")
+    size = x.shape[x_seq] // t
+    idx = lax.axis_index(axis)
+    part = lambda c: jnp.einsum(eq, _take(x, c % t, size, x_seq), w, **einsum_kw)  # noqa: E731
+    kf, kb = ring_split(t, bidirectional)
+    fwd_perm, bwd_perm = _perms(t)
+    f = b = None
+    for s in range(max(kf, kb)):
+        # forward: at step s device j adds its part of chunk j + kf - s and passes it to j + 1,
+        # so after kf hops chunk c holds the parts of devices c - kf .. c - 1 and sits on c;
+        # backward likewise with chunk j - kb + s, passed to j - 1
+        if s < kf:
+            p = part(idx + kf - s)
+            f = p if f is None else lax.ppermute(f, axis, fwd_perm) + p
+        if s < kb:
+            p = part(idx - kb + s)
+            b = p if b is None else lax.ppermute(b, axis, bwd_perm) + p
+    out = part(idx)
+    if kf:
+        out = out + lax.ppermute(f, axis, fwd_perm)
+    if kb:
+        out = out + lax.ppermute(b, axis, bwd_perm)
+    return out
+
+
+def reference_allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, **einsum_kw):
+    """The undecomposed form: one all-gather, then one matmul (what GSPMD emits)."""
+    return jnp.einsum(eq, lax.all_gather(x, axis, axis=x_seq, tiled=True), w, **einsum_kw)
+
+
+def reference_matmul_reduce_scatter(eq: str, x, w, axis: str, *, out_seq: int = 1,
+                                    **einsum_kw):
+    """The undecomposed form: one matmul, then one reduce-scatter."""
+    return lax.psum_scatter(jnp.einsum(eq, x, w, **einsum_kw), axis,
+                            scatter_dimension=out_seq, tiled=True)
+

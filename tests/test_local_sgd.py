@@ -1,0 +1,233 @@
+"""Local SGD over dp: H = 1 equals synchronous DP, replicas diverge and agree again, the outer
+optimizers' formulas, the census (1/H of a parameter all-reduce, nothing else but the metrics),
+exact resume mid-period, and refusals."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxscale import checkpoint as ckpt_lib
+from jaxscale import compiled, plan
+from jaxscale import local_sgd as L
+from jaxscale.config import CheckpointConfig
+from jaxscale.planner.validate import tiny_config
+from jaxscale.strategies import local_sgd
+from jaxscale.train.setup import build
+
+DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
+#: SGD with momentum and weight decay, no clipping: linear in the gradients, so the replicas'
+#: mean after one step is DP's step
+SGD = ("optim.kind=sgd", "optim.momentum=0.9", "optim.clip_norm=0", "optim.lr=0.05",
+       "optim.warmup_steps=0")
+
+
+def batch(i):
+    r = np.random.default_rng(i)
+    out = {k: r.integers(0, 300, (8, 32)).astype(np.int32) for k in ("inputs", "targets")}
+    return {**out, "mask": np.ones((8, 32), np.float32)}
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def run(s, steps, state=None, start=0, step=None):
+    """(losses, final state on the host, final state) after `steps` steps from `state`, by
+    `step` (a compiled train step) or the setup's jitted one."""
+    state = s.init_state() if state is None else state
+    step, losses = step or s.train_step, []
+    with jax.set_mesh(s.placement.mesh):
+        for i in range(start, start + steps):
+            state, m = step(state, batch(i))
+            losses.append(float(m["loss"]))
+    return losses, host(state), state
+
+
+@pytest.fixture(scope="module")
+def dp_sgd():
+    s = build(tiny_config(*DP8, *SGD))
+    return s, run(s, 3)
+
+
+@pytest.fixture(scope="module")
+def diloco2():
+    """DiLoCo (AdamW inside, outer Nesterov 0.7 / 0.9), H = 2: the setup and its train step,
+    compiled once (the census reads the same program)."""
+    s = build(tiny_config(*DP8, "plan.local_sgd=diloco", "plan.local_steps=2",
+                          "optim.warmup_steps=0"))
+    return s, s.lower_train_step().compile(), host(s.init_state())
+
+
+def fresh(s, init):
+    """The initial state, from its host copy (init_state compiles anew at every call)."""
+    return jax.device_put(init, s.state_shardings)
+
+
+@pytest.mark.parametrize("method", [("plan.local_sgd=local",),
+                                    ("plan.local_sgd=diloco", "plan.outer_lr=1",
+                                     "plan.outer_momentum=0")])
+def test_h1_equals_synchronous_dp(method, dp_sgd):
+    _, (ref_losses, ref, _) = dp_sgd
+    s = build(tiny_config(*DP8, *SGD, *method, "plan.local_steps=1"))
+    losses, got, _ = run(s, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert losses[-1] < losses[0] - 0.05                  # it trains
+    err = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b))),
+                       got.params, ref.params)
+    assert max(jax.tree.leaves(err)) < 2e-6, err
+    # every replica equals the anchor after an average
+    for a, r in zip(jax.tree.leaves(got.params), jax.tree.leaves(got.comm["params"])):
+        assert r.shape == (8,) + a.shape and np.array_equal(r, np.broadcast_to(a, r.shape))
+
+
+def test_h2_replicas_diverge_between_averages_and_agree_after(diloco2):
+    s, step, init_host = diloco2
+    state = fresh(s, init_host)
+    init = init_host.params
+    rep = state.comm["params"]
+    leaf = jax.tree.leaves(rep)[0]
+    assert leaf.sharding.spec[0] == "dp" and leaf.addressable_shards[0].data.shape[0] == 1
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(rep))
+    terms = {t.what: t.bytes for t in local_sgd.memory(s.placement.spec)}
+    assert per_device == terms["this device's replica of the parameters (fp32)"]
+    assert terms["outer momentum (fp32)"] == per_device
+    with jax.set_mesh(s.placement.mesh):
+        state, _ = step(state, batch(0))                    # step 0: inner only
+        one = host(state)
+        state, _ = step(state, batch(1))                    # step 1: inner, then the average
+        two = host(state)
+    # between averages: the anchor stays, the 8 replicas moved apart from it and each other
+    assert jax.tree.all(jax.tree.map(np.array_equal, one.params, init))
+    for a, r in zip(jax.tree.leaves(one.params), jax.tree.leaves(one.comm["params"])):
+        if a.ndim >= 2:
+            spread = np.abs(r - r.mean(0)).max()
+            assert spread > 1e-4 and not np.allclose(r[0], r[1])
+    # after the average: the anchor moved and every replica restarted from it
+    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(two.params),
+                                                jax.tree.leaves(init))]
+    assert min(moved) > 0
+    for a, r in zip(jax.tree.leaves(two.params), jax.tree.leaves(two.comm["params"])):
+        assert np.array_equal(r, np.broadcast_to(a, r.shape))
+    # the outer momentum is the first average's change: u = Delta, and the anchor moved by
+    # lr (1 + beta) Delta (Nesterov)
+    u = jax.tree.leaves(two.opt_state)
+    for a, b, d in zip(jax.tree.leaves(two.params), jax.tree.leaves(init), u):
+        np.testing.assert_allclose(a, b - 0.7 * 1.9 * d, rtol=1e-5, atol=1e-7)
+
+
+def test_post_local_warmup_is_synchronous_then_replicas_part():
+    """post_local with AdamW: in the warmup every replica takes DP's step (the token-mean
+    gradient, one AdamW state), then they train apart; the census weighs each branch."""
+    s = build(tiny_config(*DP8, "plan.local_sgd=post_local", "plan.local_warmup=2",
+                          "plan.local_steps=4", "optim.warmup_steps=0"))
+    step = s.lower_train_step().compile()
+    _, two, state = run(s, 2, step=step)
+    for leaf in jax.tree.leaves(two.comm):      # replicas and AdamW moments: 8 equal copies
+        assert np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+    for a, r in zip(jax.tree.leaves(two.params), jax.tree.leaves(two.comm["params"])):
+        assert np.array_equal(a, r[0])
+    _, three, _ = run(s, 1, state, start=2, step=step)
+    for leaf in jax.tree.leaves(three.comm):    # the first local step: they part
+        if leaf.ndim >= 3:                      # (bitwise equal until now)
+            assert (leaf[0] != leaf[1]).mean() > 0.1
+    assert jax.tree.all(jax.tree.map(np.array_equal, three.params, two.params))
+    size = sum(x.size for x in jax.tree.leaves(s.model.abstract_params))
+    text, mesh = step.as_text(), s.placement.mesh
+    ar = lambda share: sum(r["bytes"] for r in compiled.census(text, mesh, share))
+    assert ar([0.0, 0.0, 1.0]) == 4 * size + 16          # warmup: DP's gradient all-reduce
+    assert ar(local_sgd.branch_share(s.placement.spec)) == 4 * size / 4 + 16
+
+
+@pytest.mark.parametrize("method", ["slowmo", "diloco"])
+def test_outer_step_formulas(method):
+    """Two averages over 8 devices against the papers' formulas in NumPy."""
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
+    lr, beta, nesterov = local_sgd.DEFAULTS[method]
+    outer = L.outer_optimizer(lr, beta, nesterov)
+    rng = np.random.default_rng(0)
+    x0 = rng.normal(size=(5, 3)).astype(np.float32)
+    reps = [rng.normal(size=(8, 5, 3)).astype(np.float32) for _ in range(2)]
+
+    def two(anchor, r1, r2):
+        st = outer.init(anchor)
+        a1, st = L.outer_step(anchor, r1[0], st, outer, "dp", 8)
+        a2, st = L.outer_step(a1, r2[0], st, outer, "dp", 8)
+        return a1, a2
+    a1, a2 = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(P(), P("dp"), P("dp")),
+                                   out_specs=(P(), P())))(x0, *reps)
+    x, u = x0, 0
+    for r, got in zip(reps, (a1, a2)):
+        delta = x - r.mean(0)
+        u = beta * u + delta
+        x = x - lr * ((beta * u + delta) if nesterov else u)
+        np.testing.assert_allclose(np.asarray(got), x, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_schedule():
+    got = [bool(L.is_sync(t, 4)) for t in range(9)]
+    assert got == [False, False, False, True, False, False, False, True, False]
+    post = [bool(L.is_sync(t, 3, warmup=2)) for t in range(8)]
+    assert post == [True, True, False, False, True, False, False, True]
+    assert L.syncs(8, 3, 2) == sum(post) and L.syncs(100, 4) == 25
+    with pytest.raises(ValueError, match="local_steps must be >= 1"):
+        L.is_sync(0, 0)
+    with pytest.raises(ValueError, match="momentum in"):
+        L.outer_optimizer(0.7, 1.0, True)
+
+
+def test_census_is_one_parameter_all_reduce_per_h_steps(diloco2):
+    (s, step, _), H = diloco2, 2
+    text, mesh = step.as_text(), s.placement.mesh
+    # DP's gradient all-reduce per step: its formula (test_census holds it to DP's census)
+    size = sum(x.size for x in jax.tree.leaves(s.model.abstract_params))
+    dp_grad = sum(c.bytes for c in plan.collectives(s.placement.spec.with_(local_sgd="none"))
+                  if c.kind == "all-reduce" and c.bytes > 4)
+    assert dp_grad == 4 * size
+    inner = compiled.census(text, mesh, [1.0, 0.0])           # a step without the average
+    assert inner == [{"kind": "all-reduce", "axes": ["dp"], "count": 1, "bytes": 16,
+                      "wire_bytes": 28}]                      # the metrics, nothing else
+    avg = compiled.census(text, mesh, local_sgd.branch_share(s.placement.spec))
+    assert len(avg) == 1 and avg[0]["axes"] == ["dp"]
+    assert avg[0]["bytes"] - 16 == dp_grad / H
+    theory = compiled.theory_vs_census(plan.collectives(s.placement.spec), avg)
+    assert [r["ratio"] for r in theory] == [1.0]
+
+
+def test_resume_mid_period_continues_identically(diloco2, tmp_path):
+    """Saved after step 3 (one average done, the outer momentum set, replicas one step apart)."""
+    s, step, init = diloco2
+    ref_losses, ref, _ = run(s, 5, fresh(s, init), step=step)
+    _, _, state = run(s, 3, fresh(s, init), step=step)
+    ck = ckpt_lib.Checkpointer(tmp_path, CheckpointConfig(async_save=False))
+    ck.save(3, state, {"step": 3})
+    ck.close()
+    mid = host(state)
+    assert not np.array_equal(jax.tree.leaves(mid.comm["params"])[0][0],
+                              jax.tree.leaves(mid.params)[0])
+    ck = ckpt_lib.Checkpointer(tmp_path, s.cfg.ckpt, read_only=True)
+    restored = ck.restore(3, s.abstract_state())
+    assert jax.tree.all(jax.tree.map(np.array_equal, host(restored), mid))
+    losses, got, _ = run(s, 2, restored, start=3, step=step)
+    assert losses == ref_losses[3:]
+    assert jax.tree.all(jax.tree.map(np.array_equal, got, ref))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("plan.local_sgd=local", "plan.local_steps=0"), "plan.local_steps"),
+    (("mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1", "plan.local_sgd=local"),
+     "trains replicas over mesh.dp, but mesh.dp=1: give the devices to dp"),
+    (("mesh.dp=4", "mesh.fsdp=2", "mesh.tp=1", "plan.local_sgd=diloco"),
+     "over mesh.dp alone, not with mesh.fsdp=2"),
+    (("mesh.dp=4", "mesh.fsdp=1", "mesh.tp=2", "plan.local_sgd=slowmo"),
+     "not with mesh.tp=2.*set them to 1 or plan.local_sgd=none"),
+    ((*DP8, "plan.local_sgd=local", "plan.compression=int8"), "set plan.compression=none"),
+    ((*DP8, "plan.local_sgd=local", "plan.zero=1"), "use plan.zero=0"),
+    ((*DP8, "plan.local_sgd=post_local"), "needs plan.local_warmup >= 1"),
+    ((*DP8, "plan.local_sgd=local", "plan.local_warmup=5"), "applies to plan.local_sgd=post_"),
+    ((*DP8, "plan.local_sgd=local", "plan.outer_momentum=0.9"), "use plan.local_sgd=slowmo"),
+    ((*DP8, "plan.local_sgd=adam"), "plan.local_sgd"),
+])
+def test_plans_local_sgd_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        plan.validate(tiny_config(*overrides), 8)

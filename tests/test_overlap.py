@@ -1,0 +1,195 @@
+"""Collective matmul (jaxscale/collective_matmul.py) and plan.tp_overlap / plan.xla_preset
+(jaxscale/strategies/overlap.py): the decompositions equal the plain matmul, forward and
+backward; a TP+SP step with them equals the step without; its census shows ring permutes in
+place of the block's all-gathers and reduce-scatters, as the formula says; bad plans are refused
+by name; every XLA preset is accepted by the installed jaxlib and reaches the train step."""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxscale import collective_matmul as cm
+from jaxscale import compiled, plan
+from jaxscale.axes import Rules
+from jaxscale.data import Batches, load_corpus
+from jaxscale.strategies import overlap
+from jaxscale.train.setup import build
+from tests.helpers import tiny_config
+
+TPSP = ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", "plan.sequence_parallel=true",
+        "model.n_kv_heads=4")
+CM = "plan.tp_overlap=collective_matmul"
+
+
+# ----------------------------------------------------------------------------- the functions
+@pytest.mark.parametrize("shape, bidirectional", [((2, 4), False), ((1, 8), True)])
+def test_collective_matmul_equals_plain_matmul(shape, bidirectional):
+    mesh = jax.make_mesh(shape, ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    k = jax.random.split(jax.random.key(0), 4)
+    x_BTD, w_DF = jax.random.normal(k[0], (2, 16, 8)), jax.random.normal(k[1], (8, 16))
+    h_BTF, w_FD = jax.random.normal(k[2], (2, 16, 16)), jax.random.normal(k[3], (16, 8))
+    kw = dict(axis="tp", bidirectional=bidirectional)
+    ag = jax.jit(jax.shard_map(partial(cm.allgather_matmul, "btd,df->btf", **kw), mesh=mesh,
+                               in_specs=(P("dp", "tp"), P(None, "tp")),
+                               out_specs=P("dp", None, "tp")))
+    rs = jax.jit(jax.shard_map(partial(cm.matmul_reduce_scatter, "btf,fd->btd", **kw),
+                               mesh=mesh, in_specs=(P("dp", None, "tp"), P("tp")),
+                               out_specs=P("dp", "tp")))
+    for fn, eq, a, b in ((ag, "btd,df->btf", x_BTD, w_DF), (rs, "btf,fd->btd", h_BTF, w_FD)):
+        np.testing.assert_allclose(fn(a, b), jnp.einsum(eq, a, b), rtol=1e-5, atol=1e-5)
+        loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))            # noqa: E731
+        got = jax.grad(loss(fn), (0, 1))(a, b)
+        want = jax.grad(loss(partial(jnp.einsum, eq)), (0, 1))(a, b)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+        # forward and backward move sequence chunks by permutes only
+        text = jax.jit(jax.grad(loss(fn), (0, 1))).lower(a, b).compile().as_text()
+        kinds = {c["kind"] for c in compiled.census(text, mesh)}
+        assert kinds <= {"collective-permute", "all-reduce"}, kinds   # all-reduce: dW over dp
+        assert "collective-permute" in kinds
+
+
+def test_ring_split_covers_every_other_device():
+    for t in range(1, 9):
+        assert sum(cm.ring_split(t, False)) == sum(cm.ring_split(t, True)) == t - 1
+        assert max(cm.ring_split(t, True)) == (t - 1 + 1) // 2
+
+
+# ----------------------------------------------------------------------------- the plan
+def _grads(cfg):
+    setup = build(cfg)
+    batch = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len,
+                    seed=0).device_batch(0, setup.batch_shardings())
+    grads, loss, _ = setup.jit_grads()(setup.init_state().params, batch)
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _grads(tiny_config(*TPSP))
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+    cfg = tiny_config(*TPSP, CM)
+    return cfg, _grads(cfg), compiled.report(cfg)
+
+
+def test_tp_sp_step_with_collective_matmul_equals_the_step_without(plain, overlapped):
+    loss, grads = overlapped[1]
+    assert loss == pytest.approx(plain[0], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[1])):
+        assert np.abs(a - b).max() <= 1e-5 * (np.abs(b).max() + 1e-12)
+
+
+def _count(rep, kind, axes=("tp",)):
+    return sum(c["count"] for c in rep["collectives"]
+               if c["kind"] == kind and tuple(c["axes"]) == axes)
+
+
+def test_census_shows_permutes_in_place_of_the_block_gathers(overlapped):
+    cfg, _, rep = overlapped
+    t, L = cfg.mesh.tp, cfg.model.n_layers
+    assert _count(rep, "all-gather") == 2          # the LM head's input, forward and backward
+    # 13 rings per layer: 2 gathering + 2 scattering forward, 2 gathering again + 7 backward
+    assert _count(rep, "collective-permute") == 13 * (t - 1) * L
+    for row in rep["theory"]:                      # every formula, the permutes' included
+        assert row["ratio"] is not None and abs(row["ratio"] - 1) < 0.025, row
+    spec = plan.Spec.from_config(cfg, 8)
+    (perm,) = overlap.collectives(spec)
+    assert perm.overlap and perm.count == _count(rep, "collective-permute")
+
+
+def test_bidirectional_with_remat_replays_the_o_ring_as_the_formula_says():
+    cfg = tiny_config(*TPSP, "plan.tp_overlap=collective_matmul_bidirectional",
+                      "plan.remat=full")
+    rep = compiled.report(cfg)
+    t, L = cfg.mesh.tp, cfg.model.n_layers
+    assert _count(rep, "collective-permute") == (13 + 1) * (t - 1) * L
+    (row,) = [r for r in rep["theory"] if r["kind"] == "collective-permute"]
+    assert row["ratio"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("overrides, msg", [
+    (("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", CM), "mesh.tp=1: set mesh.tp > 1"),
+    (("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", CM), "set plan.sequence_parallel=true"),
+    (("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "plan.sequence_parallel=true", CM),
+     "put the data-parallel degree on mesh.dp"),
+    (("mesh.dp=1", "mesh.fsdp=1", "mesh.pp=2", "mesh.tp=4", "plan.sequence_parallel=true", CM),
+     "set mesh.pp=1"),
+])
+def test_bad_plans_are_refused_by_name(overrides, msg):
+    errs = plan.Spec.from_config(tiny_config(*overrides, "model.n_kv_heads=4"), 8).problems()
+    assert any(msg in e for e in errs), errs
+
+
+def test_bad_option_values_and_a_second_projection_are_refused():
+    spec = plan.Spec.from_config(tiny_config(*TPSP), 8)
+    errs = spec.with_(tp_overlap="ring", xla_preset="fast").problems()
+    assert any("plan.tp_overlap='ring': valid are none" in e for e in errs), errs
+    assert any("plan.xla_preset='fast': valid are default" in e for e in errs), errs
+    taken = Rules()
+    taken.projection = "int8"
+    with pytest.raises(ValueError, match="both replace the model's weight matmuls"):
+        overlap.rules(spec.with_(tp_overlap="collective_matmul"), taken)
+
+
+# ----------------------------------------------------------------------------- XLA presets
+def test_every_xla_preset_is_accepted_by_the_installed_jaxlib():
+    lowered = jax.jit(lambda a: a @ a).lower(jnp.ones((4, 4)))
+    for name in overlap.XLA_PRESETS:
+        lowered.compile(compiler_options=overlap.compiler_options(name))
+    assert "xla_cpu_enable_concurrency_optimized_scheduler" not in overlap.gpu_only(
+        "latency_hiding")
+    with pytest.raises(Exception, match="No such compile option"):
+        lowered.compile(compiler_options={"xla_gpu_no_such_option": True})
+
+
+def test_the_preset_reaches_the_train_step(monkeypatch):
+    monkeypatch.setitem(overlap.XLA_PRESETS, "default", {"xla_gpu_no_such_option": True})
+    setup = build(tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "model.n_layers=1"))
+    with pytest.raises(Exception, match="No such compile option"):
+        setup.lower_train_step().compile()
+
+
+# ----------------------------------------------------------------------------- schedule reader
+_SCHEDULED = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %d = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %ags = (f32[4,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %mm = f32[4,4]{1,0} fusion(%b, %b), kind=kOutput, calls=%fused
+  %agd = f32[8,4]{1,0} all-gather-done(%ags)
+  %cp = f32[4,4]{1,0} collective-permute(%mm), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %mm2 = f32[4,4]{1,0} fusion(%b, %a), kind=kOutput, calls=%fused
+  %mm3 = f32[4,4]{1,0} fusion(%cp, %b), kind=kOutput, calls=%fused
+  %cp2 = f32[4,4]{1,0} collective-permute(%mm3), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %mm4 = f32[4,4]{1,0} fusion(%cp2, %agd), kind=kOutput, calls=%fused
+}
+"""
+
+
+def test_schedule_windows_of_async_and_synchronous_collectives():
+    from jaxscale import schedule
+    ws = {w.name: w for w in schedule.windows(_SCHEDULED)}
+    assert set(ws) == {"ags", "cp", "cp2"}
+    mm = 2 * 4 * 4 * 4
+    # async: the matmul between start and done; sync: the one between producer and consumer
+    assert ws["ags"].asynchronous and ws["ags"].window_flops == mm and ws["ags"].bytes == 128
+    assert not ws["cp"].asynchronous and (ws["cp"].window_ops, ws["cp"].window_flops) == (1, mm)
+    # nothing scheduled between mm3 and mm4, though mm2 was independent of cp2
+    assert ws["cp2"].window_ops == 0 and ws["cp2"].independent_flops == mm
+    s = schedule.summary(list(ws.values()))["all"]
+    assert s["covered"] == pytest.approx((128 + 64) / (128 + 64 + 64))
+    assert s["coverable"] == 1.0 and s["async"] == 1
