@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.common import Comm, Term, dp_only
 
 NAME = "compression"
 AVAILABLE = True
@@ -60,11 +60,8 @@ def problems(spec) -> list[str]:
         errs.append(f"plan.compression={spec.compression} compresses the gradient mean over "
                     f"mesh.dp, but mesh.dp=1: give the devices to dp, or set "
                     f"plan.compression=none")
-    other = [f"mesh.{a}={spec.deg(a)}" for a in ("pp", "fsdp", "ep", "sp", "tp") if spec.deg(a) > 1]
-    if other:
-        errs.append(f"plan.compression runs on data-parallel plans over mesh.dp alone, not with "
-                    f"{', '.join(other)}: its one gradient bucket would gather their shards; "
-                    f"set them to 1 or plan.compression=none")
+    errs += dp_only(spec, "plan.compression", "its one gradient bucket would gather their "
+                    "shards", "plan.compression=none")
     if spec.zero >= 2:
         errs.append(f"plan.compression returns the whole mean gradient on every device, not the "
                     f"shards ZeRO-{spec.zero} keeps: use plan.zero=0 or 1")

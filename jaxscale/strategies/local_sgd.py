@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.common import Comm, Term, dp_only
 
 NAME = "local_sgd"
 AVAILABLE = True
@@ -71,11 +71,8 @@ def problems(spec) -> list[str]:
     if spec.deg("dp") == 1:
         errs.append(f"plan.local_sgd={m} trains replicas over mesh.dp, but mesh.dp=1: give the "
                     f"devices to dp (e.g. mesh.dp=8), or set plan.local_sgd=none")
-    other = [f"mesh.{a}={spec.deg(a)}" for a in ("pp", "fsdp", "ep", "sp", "tp") if spec.deg(a) > 1]
-    if other:
-        errs.append(f"plan.local_sgd runs on data-parallel plans over mesh.dp alone, not with "
-                    f"{', '.join(other)}: each replica holds the whole model; set them to 1 or "
-                    f"plan.local_sgd=none")
+    errs += dp_only(spec, "plan.local_sgd", "each replica holds the whole model",
+                    "plan.local_sgd=none")
     if spec.zero >= 1:
         errs.append(f"plan.local_sgd keeps each replica's optimizer state whole on its device, "
                     f"not the shards ZeRO-{spec.zero} keeps: use plan.zero=0")

@@ -25,7 +25,7 @@ head, whose gradient is dense) and without `plan.compression`.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.common import Comm, Term, dp_only
 
 NAME = "sparse_embedding"
 AVAILABLE = True
@@ -47,10 +47,7 @@ def problems(spec) -> list[str]:
     if spec.deg("dp") == 1:
         errs.append("plan.sparse_embedding exchanges the embedding gradient's rows over mesh.dp, "
                     "but mesh.dp=1: give the devices to dp, or set plan.sparse_embedding=false")
-    other = [f"mesh.{a}={spec.deg(a)}" for a in ("pp", "fsdp", "ep", "sp", "tp") if spec.deg(a) > 1]
-    if other:
-        errs.append(f"plan.sparse_embedding runs on data-parallel plans over mesh.dp alone, not "
-                    f"with {', '.join(other)}: set them to 1 or plan.sparse_embedding=false")
+    errs += dp_only(spec, "plan.sparse_embedding", "", "plan.sparse_embedding=false")
     if spec.zero >= 2:
         errs.append(f"plan.sparse_embedding returns the whole mean gradient on every device, not "
                     f"the shards ZeRO-{spec.zero} keeps: use plan.zero=0 or 1")
