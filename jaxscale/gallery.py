@@ -76,22 +76,25 @@ def select(names: list[str], found: dict[int, Path]) -> list[int]:
 
 
 def last_table(text: str) -> str:
-    """The last plain-text table in `text`: a header, a line of dashes, rows up to a blank line
-    (`_common.table` and the experiments' own tables); failing that, the output's last lines."""
+    """The last plain-text table in `text` other than the claims (`Claims.finish` prints them,
+    and the gallery shows them from results.json): a header, a line of dashes, rows up to a
+    blank line, with the title line above it if any; failing that, the output's last lines."""
     lines = text.splitlines()
-    start = None
+    tables = []
     for i, line in enumerate(lines):
         if i and re.fullmatch(r"-{3,}[- ]*", line.strip()) and lines[i - 1].strip():
             start = i - 1
             if start and lines[start - 1].strip() and not re.search(r"\S\s{2,}\S",
                                                                      lines[start - 1]):
                 start -= 1          # the table's title line
-    if start is None:
+            end = i
+            while end < len(lines) and lines[end].strip():
+                end += 1
+            tables.append(lines[start:end])
+    tables = [t for t in tables if t[0].strip() != "claims"]
+    if not tables:
         return "\n".join([ln for ln in lines if ln.strip()][-TAIL:])
-    end = start
-    while end < len(lines) and lines[end].strip():
-        end += 1
-    return "\n".join(lines[start:end])
+    return "\n".join(tables[-1])
 
 
 def claims_table(results: dict) -> str:

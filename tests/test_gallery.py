@@ -16,6 +16,10 @@ print("plan   bytes")
 print("-----  -----")
 print("dp8    1,024")
 print()
+print("claims")                 # printed by Claims.finish: shown from results.json instead
+print("claim            result")
+print("---------------  ------")
+print("bytes = formula  ok")
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
 plt.plot([1, 2]); plt.savefig(os.path.join(out, "fig.png"))
 json.dump({"claims": [{"claim": "bytes = formula", "measured": "1024", "expected": "1024",
@@ -40,6 +44,7 @@ def test_gallery_keeps_claims_table_and_figure_and_fails_loudly(tree, capsys):
     readme = (tree / "experiments" / "README.md").read_text()
     assert "| bytes = formula | 1024 | 1024 | ok |" in readme
     assert "dp8    1,024" in readme and "title of the table" in readme
+    assert "bytes = formula  ok" not in readme      # the printed claims are not the key table
     assert (tree / "experiments" / "img" / "07_good.png").stat().st_size > 0
     assert "](img/07_good.png)" in readme
     assert "| [12 Gradient compression](#12-gradient-compression) | [12_broken.py](12_broken.py) | "\
