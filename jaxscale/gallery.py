@@ -75,6 +75,10 @@ def select(names: list[str], found: dict[int, Path]) -> list[int]:
     return chosen
 
 
+#: lines that report where the output went, not results
+_NOTE = re.compile(r"(wrote |all \d+ claims hold|results in )")
+
+
 def last_table(text: str) -> str:
     """The last plain-text table in `text` other than the claims (`Claims.finish` prints them,
     and the gallery shows them from results.json): a header, a line of dashes, rows up to a
@@ -88,12 +92,12 @@ def last_table(text: str) -> str:
                                                                      lines[start - 1]):
                 start -= 1          # the table's title line
             end = i
-            while end < len(lines) and lines[end].strip():
+            while end < len(lines) and lines[end].strip() and not _NOTE.match(lines[end]):
                 end += 1
             tables.append(lines[start:end])
     tables = [t for t in tables if t[0].strip() != "claims"]
     if not tables:
-        return "\n".join([ln for ln in lines if ln.strip()][-TAIL:])
+        return "\n".join([ln for ln in lines if ln.strip() and not _NOTE.match(ln)][-TAIL:])
     return "\n".join(tables[-1])
 
 
@@ -132,6 +136,9 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
         stdout, stderr = ((x or b"").decode(errors="replace") if isinstance(x, bytes) else
                           (x or "") for x in (e.stdout, e.stderr))
     seconds, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
+    # the output names its folder by the default's relative path, wherever it was run
+    stdout, stderr = (x.replace(str(out), f"runs/experiments/{script.stem}")
+                      for x in (stdout, stderr))
     (out / "stdout.txt").write_text(stdout)
     (out / "stderr.txt").write_text(stderr)
     results = {}
