@@ -45,6 +45,12 @@ OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", 
            "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history")
 
 
+def moments(optim) -> int:
+    """Per-parameter moment tensors of the optimizer (`train.state.make_optimizer`): AdamW's two,
+    heavy-ball SGD's one, plain SGD's none."""
+    return 2 if optim.kind == "adamw" else (1 if optim.momentum else 0)
+
+
 @dataclass(frozen=True)
 class Spec:
     model: object                       # jaxscale.models.llama.ModelConfig
@@ -53,6 +59,7 @@ class Spec:
     device_kind: str = "cpu"
     batch: int = 8                      # global batch, sequences
     seq: int = 128
+    moments: int = 2                    # optimizer moments per parameter: AdamW 2, SGD 1 or 0
     precision: str = "fp32"
     loss_scale: str = "auto"
     zero: int = 0
@@ -96,7 +103,8 @@ class Spec:
         return cls(model=cfg.model, degrees={a: getattr(mesh, a) for a in MESH_AXES},
                    dcn={a: getattr(mesh, f"dcn_{a}", 1) for a in MESH_AXES},
                    device_kind=mesh.device_kind, batch=cfg.data.batch_size,
-                   seq=cfg.data.seq_len, **{k: getattr(cfg.plan, k) for k in OPTIONS})
+                   seq=cfg.data.seq_len, moments=moments(cfg.optim),
+                   **{k: getattr(cfg.plan, k) for k in OPTIONS})
 
     def with_(self, **kw) -> "Spec":
         return replace(self, **kw)

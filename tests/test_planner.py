@@ -275,3 +275,14 @@ def test_cpu_capacity_is_the_hosts_share_and_auto_attention_matches():
                                             "model.max_seq_len=4096"))
         q = jnp.zeros((1, seq, 8, 16))
         assert spec.attention == attention.resolve("auto", q, q)
+
+
+@pytest.mark.parametrize("optim", [("optim.kind=sgd",), ("optim.kind=sgd", "optim.momentum=0.9")],
+                         ids=["sgd", "sgd+momentum"])
+def test_state_bytes_follow_the_optimizers_moments(optim):
+    """AdamW keeps two moments per parameter, heavy-ball SGD one, plain SGD none: the predicted
+    state (the step's argument bytes) equals the compiled one for each."""
+    cfg = validate.tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", *optim)
+    assert Spec.from_config(cfg, 8).moments == (1 if len(optim) == 2 else 0)
+    predicted = planner.predict(cfg).as_dict()["memory"]["xla"]["argument"]
+    assert predicted == pytest.approx(compiled.report(cfg)["memory"]["argument"], rel=1e-3)

@@ -96,7 +96,7 @@ def optimizer_copy(spec, sh) -> float:
     """Bytes of the fp32 optimizer state (moments, master weights) XLA keeps a copy of during
     the donated update (not with host offload, whose streamed update holds one piece instead)."""
     moment_bytes = 4 if spec.mixed else spec.param_itemsize
-    return sh.optimizer * (2 * moment_bytes + (4 if spec.mixed else 0))
+    return sh.optimizer * (spec.moments * moment_bytes + (4 if spec.mixed else 0))
 
 
 def model_terms(spec, full) -> list[Term]:

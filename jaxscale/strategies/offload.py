@@ -275,7 +275,7 @@ def piece_bytes(spec) -> float:
     sh = shards(spec)
     moment = 4 if spec.mixed else spec.param_itemsize
     per_elem = {"params": spec.param_itemsize, "master": 4 if spec.mixed else 0,
-                "optimizer": 2 * moment, "grads": 4}
+                "optimizer": spec.moments * moment, "grads": 4}
     if spec.device_kind != "cpu":
         for part in parse(spec.offload):
             per_elem[part] = 2 * per_elem[part]
