@@ -60,6 +60,15 @@ class Rules:
         self.owner[logical] = by
         return self
 
+    def set_projection(self, name: str, by: str) -> "Rules":
+        """`projection` = name, for strategy `by`; a second strategy replacing the weight matmuls
+        is an error naming both, like two rules for one logical axis."""
+        if self.projection not in (None, name):
+            raise ValueError(f"{by} and {self.owner.get('projection')} both replace the model's "
+                             f"weight matmuls (Rules.projection): choose one of them")
+        self.projection, self.owner["projection"] = name, by
+        return self
+
     def spec(self, names: Iterable[str | None]):
         """The mesh `PartitionSpec` of an array with these logical axis names."""
         from jax.sharding import PartitionSpec as P

@@ -128,35 +128,12 @@ def problems(spec) -> list[str]:
         errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
                     f"not through the collective matmul: set model.moe_experts=0 or "
                     f"plan.tp_overlap=none")
-    other = _other_projection(spec)
-    if other:
-        errs.append(f"{opt} and {other} both replace the model's weight matmuls "
-                    f"(Rules.projection): choose one of them")
-    return errs
-
-
-def _other_projection(spec) -> str | None:
-    """The projection implementation another strategy of the plan sets, if any."""
-    import sys
-    from jaxscale.axes import Rules
-    plan = sys.modules.get("jaxscale.plan")
-    r = Rules()
-    for s in getattr(plan, "STRATEGIES", ()):
-        if s.__name__ == __name__:
-            continue
-        try:
-            s.rules(spec, r)
-        except ValueError:
-            pass                    # a conflict of its own: reported by the plan
-    return r.projection
+    return errs        # with plan.qat (the other projection) refused by quant.problems
 
 
 def rules(spec, rules) -> None:
     if active(spec):
-        if rules.projection not in (None, spec.tp_overlap):
-            raise ValueError(f"plan.tp_overlap={spec.tp_overlap} and {rules.projection} both "
-                             f"replace the model's weight matmuls: choose one of them")
-        rules.projection = spec.tp_overlap
+        rules.set_projection(spec.tp_overlap, by=f"plan.tp_overlap={spec.tp_overlap}")
 
 
 def rings_per_layer(spec) -> tuple[int, int]:

@@ -105,7 +105,7 @@ def problems(spec) -> list[str]:
 def rules(spec, rules) -> None:
     """No sharding rule: the projection implementation."""
     if active(spec):
-        rules.projection = IMPLEMENTATION[spec.qat]
+        rules.set_projection(IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
 
 
 def collectives(spec) -> list[Comm]:
