@@ -84,7 +84,7 @@ def problems(spec) -> list[str]:
         errs.append(f"plan.local_sgd updates the replicas on the device: set plan.offload=none "
                     f"(not {spec.offload})")
     off = {"prune": "none", "sparse_embedding": False, "qat": "none"}
-    steps = [f"plan.{k}={getattr(spec, k)}" for k, v in off.items() if getattr(spec, k, v) != v]
+    steps = [f"plan.{k}={getattr(spec, k)}" for k, v in off.items() if getattr(spec, k) != v]
     if steps:
         errs.append(f"plan.local_sgd runs its own step, which does not apply {', '.join(steps)}: "
                     f"turn it off, or set plan.local_sgd=none")

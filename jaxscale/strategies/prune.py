@@ -88,7 +88,7 @@ def problems(spec) -> list[str]:
     if spec.offload != "none":
         errs.append(f"plan.prune with plan.offload={spec.offload}: the streamed (offloaded) "
                     f"update sees one layer at a time and is not pruned; set plan.offload=none")
-    if getattr(spec, "local_sgd", "none") != "none":
+    if spec.local_sgd != "none":
         errs.append(f"plan.prune with plan.local_sgd={spec.local_sgd}: its step has its own "
                     f"update, which is not pruned; choose one")
     if kind[0] == "nm":

@@ -57,18 +57,12 @@ QUANTISED_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def active(spec) -> bool:
-    return getattr(spec, "qat", "none") != "none"
+    return spec.qat != "none"
 
 
 def delayed(spec) -> bool:
     """fp8 with an amax history (the state); fp8 with history 0 scales just in time."""
-    return getattr(spec, "qat", "none") == "fp8" and spec.fp8_amax_history > 0
-
-
-def _other_projection(spec) -> str | None:
-    """Another strategy that replaces the weight matmuls (overlapped TP), if the plan has one."""
-    v = getattr(spec, "tp_overlap", None)
-    return None if v in (None, False, 0, "", "none", "off") else f"plan.tp_overlap={v}"
+    return spec.qat == "fp8" and spec.fp8_amax_history > 0
 
 
 def problems(spec) -> list[str]:
@@ -86,19 +80,18 @@ def problems(spec) -> list[str]:
                     f"projection is off; set mesh.pp=1 or plan.qat=none")
     for field, off in (("compression", "none"), ("local_sgd", "none"),
                        ("sparse_embedding", False)):
-        v = getattr(spec, field, off)
+        v = getattr(spec, field)
         if v != off:
             errs.append(f"{q} does not run with plan.{field}={v}: that step runs the model "
                         f"inside shard_map, where the plan's projection is off; set "
                         f"plan.{field}={off} or plan.qat=none")
-    if getattr(spec.model, "moe_experts", 0):
+    if spec.moe:
         errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
                     f"{spec.model.moe_experts} do not go through the projection hook: use a "
                     f"dense model or plan.qat=none")
-    other = _other_projection(spec)
-    if other:
-        errs.append(f"{q} and {other} both replace the model's weight matmuls "
-                    f"(Rules.projection): choose one")
+    if spec.tp_overlap != "none":    # the other strategy that replaces the weight matmuls
+        errs.append(f"{q} and plan.tp_overlap={spec.tp_overlap} both replace the model's "
+                    f"weight matmuls (Rules.projection): choose one")
     return errs
 
 
@@ -139,8 +132,7 @@ def memory(spec) -> list[Term]:
                         "fp8 amax histories"))
     tokens = spec.micro_batch * spec.seq
     saved = -(spec.compute_itemsize - 1) * tokens * saved_input_elements(spec)
-    remat = getattr(spec, "remat", "none")
-    if remat in ("none", ""):
+    if spec.remat == "none":
         out.append(Term("activations", saved * spec.model.n_layers,
                         "matmul inputs saved in e4m3 instead of the compute dtype"))
     return out

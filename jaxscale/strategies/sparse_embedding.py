@@ -54,7 +54,7 @@ def problems(spec) -> list[str]:
     if spec.compression != "none":
         errs.append(f"plan.sparse_embedding and plan.compression={spec.compression} both replace "
                     f"the gradient mean: choose one")
-    if getattr(spec, "local_sgd", "none") != "none":
+    if spec.local_sgd != "none":
         errs.append(f"plan.sparse_embedding with plan.local_sgd={spec.local_sgd}: local SGD "
                     f"averages parameters, not gradients; choose one")
     if getattr(spec.model, "tie_embeddings", False):
