@@ -297,9 +297,9 @@ def _backward(cfg: _Cfg, q, k, v, qseg, kseg, o, lse, do):
     delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))   # rowsum(dO * O)
     seg_specs = lambda q_spec, k_spec: [  # noqa: E731
         None if qseg is None else q_spec, None if kseg is None else k_spec]
-    atomic = cfg.tuning.dq_atomic
-    if atomic and pltriton is None:  # pragma: no cover
-        raise NotImplementedError("dq_atomic needs jax.experimental.pallas.triton (atomic_add)")
+    # dQ accumulated by atomic adds inside the dK/dV kernel where the tuning asks for it and this
+    # jaxlib has Pallas's Triton atomics; otherwise by its own kernel over the key blocks
+    atomic = cfg.tuning.dq_atomic and pltriton is not None
 
     dq = None
     if not atomic:
