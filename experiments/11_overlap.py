@@ -90,7 +90,8 @@ def time_steps(res: dict, rounds: int) -> None:
 
 def main():
     args = CM.parse_args(__doc__, "runs/11_overlap", extra=lambda ap: (
-        ap.add_argument("--figure", default="docs/img/exp11_overlap.png"),
+        ap.add_argument("--figure", default=None, help="also copy the figure here "
+                       "(docs/img/exp11_overlap.png)"),
         ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")))
     t_start = time.time()
     claims, res = CM.Claims(), {}

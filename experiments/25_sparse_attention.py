@@ -28,7 +28,7 @@ the sparse embedding-gradient exchange (`plan.sparse_embedding`) against the den
 bytes from the compiled step's collective census beside the formula; distillation of a smaller
 student (1 layer, dim 64) from the unpruned run as teacher
 (`train.teacher`), with and without the KL term. Writes sparse_training.json and
-exp25_sparse_training.png (--figure, default docs/img/exp25_sparse_training.png).
+exp25_sparse_training.png under --out (and where --figure says).
 """
 from __future__ import annotations
 
@@ -363,8 +363,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--time-seq", type=int, default=2048)
     ap.add_argument("--no-time", action="store_true", help="skip the CPU timing column")
-    ap.add_argument("--figure", default="docs/img/exp25_sparse_training.png",
-                    help="where the sparse-training figure goes ('' : only under --out)")
+    ap.add_argument("--figure", default=None, help="also copy the sparse-training figure here "
+                    "(docs/img/exp25_sparse_training.png)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.part in ("all", "attention"):
