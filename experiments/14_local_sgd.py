@@ -15,7 +15,7 @@ with its own rows of a 32 x 64 batch and its own AdamW, trained by the framework
 Every run sees the same batches. Per run: the training loss (the replicas' mean, on their own
 rows), the held-out loss of the averaged model (the anchor, `TrainState.params`) every 32 steps
 (an average step for every H here), and the all-reduce bytes per step read from the compiled
-program's census, the average's `lax.switch` branch weighed 1/H (`local_sgd.branch_share`),
+program's census, the average's `lax.switch` branch weighed 1/H (`plan.branch_share`),
 beside the formula; DP's held-out loss also after steps/16 and steps/4 steps, where it has
 moved as many bytes as local SGD with H = 16 and 4 in the whole run. Writes results.json and
 local_sgd.png under --out. About 2.5 minutes on 2 idle cores (240 s of CPU time).
@@ -57,8 +57,7 @@ def train(cfg, train_b, held_b, steps, also=()):
     s = build(cfg)
     spec = s.placement.spec
     step = s.lower_train_step().compile()
-    share = local_sgd.branch_share(spec) if local_sgd.active(spec) else None
-    census = compiled.census(step.as_text(), s.placement.mesh, share)
+    census = compiled.census(step.as_text(), s.placement.mesh, plan.branch_share(spec))
     theory = compiled.theory_vs_census(plan.collectives(spec), census)
     sh = s.batch_shardings()
     state, losses, held = s.init_state(), [], []

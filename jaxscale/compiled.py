@@ -167,13 +167,7 @@ def report(cfg, devices=None) -> dict:
     text = compiled.as_text()
     placement = setup.placement
     n_dev = placement.mesh.devices.size
-    share = None
-    if placement.spec.deg("pp") > 1:    # a device runs one pipeline op per tick, not all of them
-        from jaxscale.train.pipeline import program_for
-        share = program_for(placement.spec).branch_share()
-    elif placement.spec.local_sgd != "none":      # the average runs one step in H
-        from jaxscale.strategies import local_sgd
-        share = local_sgd.branch_share(placement.spec)
+    share = plan_lib.branch_share(placement.spec)
     fl = flops(compiled, text, share)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     fl["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / n_dev

@@ -239,6 +239,17 @@ def unavailable(spec: Spec) -> list[str]:
     return out + [e for s in STRATEGIES if hasattr(s, "runnable") for e in s.runnable(spec)]
 
 
+def branch_share(spec: Spec) -> list[float] | None:
+    """How often each branch of the step's one `lax.switch` runs per device (`hlo.Module`
+    weighs the census and FLOPs by it), from the strategy whose step has one (optional
+    `branch_share(spec)`: the pipeline's tick program, local SGD's average every H); None when
+    the step has no such switch."""
+    for s in STRATEGIES:
+        if hasattr(s, "branch_share") and s.active(spec):
+            return s.branch_share(spec)
+    return None
+
+
 def rules(spec: Spec) -> Rules:
     r = Rules()
     r.add("batch", spec.data_axes, by="+".join(spec.data_axes) or "replicated")

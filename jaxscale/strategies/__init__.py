@@ -17,6 +17,9 @@ Every module reads a `jaxscale.plan.Spec` (the model, mesh degrees, batch, seque
     runnable(spec) -> [str]      (optional) what of a valid plan its implementation cannot run
                                  yet: `train` refuses it, the planner predicts it, `--search`
                                  marks it
+    branch_share(spec) -> [float] (optional) how often each branch of the `lax.switch` its step
+                                 runs is taken per device (`plan.branch_share`: what the census
+                                 and FLOPs read from the HLO are weighed by)
 
 and, where it changes the train state or the step, the functions `jaxscale.train` calls:
 `precision.policy` / `cast_tree` / loss scaling, `zero.state_specs`, `offload.memory_kind`,

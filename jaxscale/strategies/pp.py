@@ -129,6 +129,13 @@ def collectives(spec) -> list[Comm]:
                  "head (fp32), from the stages that use them", group=p)]
 
 
+def branch_share(spec) -> list[float]:
+    """A device runs one pipeline op per tick, not all of them: the share of (tick, device) slots
+    each branch of the engine's switch takes (`pipeline.Program.branch_share`)."""
+    from jaxscale.train.pipeline import program_for
+    return program_for(spec).branch_share()
+
+
 def outer_runs(spec, leaf=None) -> float:
     """How often per step, averaged over the devices, the embedding or the head runs (and their
     collectives with it): once per micro-batch (m), or with pipelining only on the first or last
