@@ -45,6 +45,15 @@ TITLES = {
 }
 
 
+DB = "experiments/gallery.json"   # every experiment's last result, the gallery's source
+
+
+def load(tree: Path) -> dict[int, dict]:
+    """topic -> its last recorded run (`DB`), empty before the first run."""
+    path = tree / DB
+    return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+
+
 def root() -> Path:
     """The source tree: the folder holding `experiments/` next to the `jaxscale` package."""
     here = Path(__file__).resolve().parent.parent
@@ -235,9 +244,7 @@ def run(names: list[str], all_: bool, out: str = "runs/experiments",
     print(f"running {len(topics)} experiment(s): budget {BUDGET_S} s each on {CORES} CPU cores "
           f"({CORES * BUDGET_S} CPU s), {len(topics) * BUDGET_S / 60:.0f} min in all on an idle "
           f"machine; each is stopped after {limit_s:.0f} s wall", flush=True)
-    db_path = tree / "experiments" / "gallery.json"
-    db = {int(k): v for k, v in json.loads(db_path.read_text()).items()} \
-        if db_path.is_file() else {}
+    db = load(tree)
     for i, t in enumerate(topics, 1):
         print(f"[{i}/{len(topics)}] {found[t].name} ...", end=" ", flush=True)
         e = run_one(t, found[t], Path(out).resolve(), tree, limit_s)
@@ -245,7 +252,8 @@ def run(names: list[str], all_: bool, out: str = "runs/experiments",
         print(("FAILED (exit %s)" % e["rc"]) if e["failed"] else
               f"{e['cpu_seconds']:.0f} CPU s, {e['seconds']:.0f} s wall"
               + (" OVER BUDGET" if e["over_budget"] else ""), flush=True)
-        db_path.write_text(json.dumps({f"{k:02d}": v for k, v in sorted(db.items())}, indent=1))
+        (tree / DB).write_text(json.dumps({f"{k:02d}": v for k, v in sorted(db.items())},
+                                          indent=1))
         write_readme(tree, db)
     missing = [t for t in range(1, 31) if t not in found]
     failed = [found[t].name for t in topics if db[t]["failed"]]
@@ -263,9 +271,7 @@ def run(names: list[str], all_: bool, out: str = "runs/experiments",
 def list_topics() -> int:
     tree = root()
     found = scripts(tree)
-    db_path = tree / "experiments" / "gallery.json"
-    db = {int(k): v for k, v in json.loads(db_path.read_text()).items()} \
-        if db_path.is_file() else {}
+    db = load(tree)
     for t in range(1, 31):
         e = db.get(t)
         last = "" if e is None else ("FAILED" if e["failed"] else
