@@ -29,8 +29,6 @@ holds the whole model.
 """
 from __future__ import annotations
 
-import math
-
 from jaxscale.strategies.common import Comm, Term, dp_only
 
 NAME = "local_sgd"
@@ -52,11 +50,6 @@ def hparams(spec) -> tuple[float, float, bool]:
     lr, mom, nesterov = DEFAULTS[spec.local_sgd]
     return (spec.outer_lr if spec.outer_lr > 0 else lr,
             spec.outer_momentum if spec.outer_momentum >= 0 else mom, nesterov)
-
-
-def _size(spec) -> int:
-    from jaxscale.planner.params import leaves
-    return sum(math.prod(leaf.shape) for leaf in leaves(spec.model))
 
 
 def problems(spec) -> list[str]:
@@ -109,7 +102,7 @@ def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
     n, H = spec.deg("dp"), max(1, spec.local_steps)
-    return [Comm("all-reduce", ("dp",), 4 * _size(spec) / H, 1,
+    return [Comm("all-reduce", ("dp",), 4 * spec.model.param_count() / H, 1,
                  f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of it)",
                  group=n),
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
@@ -123,7 +116,7 @@ def memory(spec) -> list[Term]:
     replica's inner optimizer state is the size of the plan's optimizer state (counted there)."""
     if not active(spec):
         return []
-    size, (_, mom, _) = _size(spec), hparams(spec)
+    size, (_, mom, _) = spec.model.param_count(), hparams(spec)
     out = [Term("params", 4 * size, "this device's replica of the parameters (fp32)")]
     if mom > 0:
         out.append(Term("optimizer", 4 * size, "outer momentum (fp32)"))
