@@ -29,21 +29,6 @@ TPS = (1, 2, 4, 8)
 MODEL = ("model.n_kv_heads=8",)
 
 
-def first_loss(cfg) -> float:
-    import jax
-    import numpy as np
-    from jaxscale.train.setup import build
-    s = build(cfg, donate=False)
-    rng = np.random.default_rng(0)
-    B, T = cfg.data.batch_size, cfg.data.seq_len
-    batch = {k: rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32)
-             for k in ("inputs", "targets")}
-    batch["mask"] = np.ones((B, T), np.float32)
-    with jax.set_mesh(s.placement.mesh):
-        _, metrics = s.train_step(s.init_state(), jax.device_put(batch, s.batch_shardings()))
-    return float(metrics["loss"])
-
-
 def plans():
     for t in TPS:
         for sp in ((False, True) if t > 1 else (False,)):
@@ -65,7 +50,7 @@ def main():
                     "minimum": sum(r["minimum_bytes"] for r in tp_rows),
                     "kinds": {c["kind"]: c["count"] for c in rep["collectives"]
                               if c["axes"] == ["tp"]},
-                    "loss": first_loss(cfg)})
+                    "loss": C.first_loss(cfg)})
     base = res[0]
     rows = []
     for r in res:

@@ -35,7 +35,7 @@ import json
 import sys
 from pathlib import Path
 
-from _common import cpu_only, pyplot, savefig  # first: 8 simulated devices before jax is imported
+from _common import cpu_only, first_loss, pyplot, savefig  # first: 8 simulated devices before jax is imported
 
 cpu_only()
 
@@ -116,22 +116,6 @@ COMPILED = {
 }
 
 
-def first_loss(cfg) -> float:
-    """The loss of one train step from the plan's initial state (the same values under every
-    plan: one seed, stored in the model's layer order by `init_state`) on a fixed batch."""
-    import jax
-    import numpy as np
-    from jaxscale.train.setup import build
-    s = build(cfg, donate=False)
-    rng = np.random.default_rng(0)
-    B, T = cfg.data.batch_size, cfg.data.seq_len
-    batch = {k: rng.integers(0, 256, (B, T)).astype(np.int32) for k in ("inputs", "targets")}
-    batch["mask"] = np.ones((B, T), np.float32)
-    with jax.set_mesh(s.placement.mesh):
-        _, metrics = s.train_step(s.init_state(), jax.device_put(batch, s.batch_shardings()))
-    return float(metrics["loss"])
-
-
 def compiled_plans():
     import time
 
@@ -151,8 +135,8 @@ def compiled_plans():
         cmp["bubble"] = bubble_fraction(pred.spec)
         if ref is not None:
             if ref not in refs:
-                refs[ref] = first_loss(tiny_config(*ref))
-            cmp["loss"], cmp["loss_ref"] = first_loss(cfg), refs[ref]
+                refs[ref] = first_loss(tiny_config(*ref), high=256)
+            cmp["loss"], cmp["loss_ref"] = first_loss(cfg, high=256), refs[ref]
             cmp["bf16"] = "plan.precision=bf16" in overrides
         cmp["seconds"] = time.perf_counter() - t0
         out[name] = cmp

@@ -123,6 +123,24 @@ def savefig(fig, path, dpi: int = 110) -> None:
     pyplot().close(fig)
 
 
+def first_loss(cfg, high: int | None = None) -> float:
+    """The loss of one train step from the plan's initial state (the same values under every
+    plan: one seed, stored in the model's layer order by `init_state`) on a fixed random batch of
+    token ids below `high` (default: the vocabulary size)."""
+    import jax
+    import numpy as np
+    from jaxscale.train.setup import build
+    s = build(cfg, donate=False)
+    rng = np.random.default_rng(0)
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    batch = {k: rng.integers(0, high or cfg.model.vocab_size, (B, T)).astype(np.int32)
+             for k in ("inputs", "targets")}
+    batch["mask"] = np.ones((B, T), np.float32)
+    with jax.set_mesh(s.placement.mesh):
+        _, metrics = s.train_step(s.init_state(), jax.device_put(batch, s.batch_shardings()))
+    return float(metrics["loss"])
+
+
 def grad_bytes(setup) -> int:
     """Per-device bytes of the gradients with respect to the working parameters, in their own
     dtype and in the sharding the plan keeps them (ZeRO-2/3: sharded over dp): the output size of

@@ -130,7 +130,7 @@ def problems(cfg, spec, teacher_cfg) -> list[str]:
                 errs.append(f"{key}: the teacher's {leaf.path} axis '{ax}' (size {dim}) does not "
                             f"divide over the {split} devices the plan splits '{ax}' into")
                 break
-    if getattr(spec, "local_sgd", "none") not in ("none", None, False):
+    if spec.local_sgd != "none":
         errs.append(f"{key} with plan.local_sgd: its step does not run a teacher; choose one")
     return errs
 
