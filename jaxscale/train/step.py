@@ -164,11 +164,11 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
                                          block_wrapper)
     grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True,
                              distill=distill)
-    compressed = compression.wrap(grads_fn, placement) if compression.active(placement.spec) \
+    # the dp mean in shard_map: by the compression method, or exchanging sparse embedding rows
+    sparse = sparse_embedding.mean(placement.spec) if sparse_embedding.active(placement.spec) \
         else None
-    if sparse_embedding.active(placement.spec):
-        compressed = compression.wrap(grads_fn, placement,
-                                      mean=sparse_embedding.mean(placement.spec))
+    compressed = compression.wrap(grads_fn, placement, mean=sparse) \
+        if compression.active(placement.spec) or sparse else None
     pruner = prune.pruner(placement.spec, model.logical, placement.mesh,
                           lay.specs.shards if lay.master else lay.specs.params) \
         if prune.active(placement.spec) else None
