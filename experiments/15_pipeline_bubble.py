@@ -177,7 +177,8 @@ def main(argv=None) -> int:
           "(census vs strategies.pp.collectives); matmul FLOPs vs the planner; bubble "
           "simulated vs formula")
     print(compiled_table(cs))
-    ok = [abs(r["temp_pred"] / r["temp"] - 1) <= 0.16 and r["permutes"] == r["permutes_theory"]
+    from jaxscale.planner.validate import TOLERANCE
+    ok = [abs(r["temp_pred"] / r["temp"] - 1) <= TOLERANCE["temp"] and r["permutes"] == r["permutes_theory"]
           and r["permute_bytes"] == r["permute_bytes_theory"]
           and abs(r["flops_pred"] / r["flops"] - 1) <= 0.01
           and abs(r["bubble"] - r["formula"]) < 1e-9 for r in cs]
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     print(f"wrote {tfig} and {os.path.join(a.out, 'compiled.json')}; {time.time() - t_start:.0f} s")
     bad = [f"{r['schedule']} m={r['m']}" for r, good in zip(cs, ok) if not good]
     if bad:
-        print("outside tolerance (temp 16%, permutes exact, FLOPs 1%, bubble exact): "
+        print(f"outside tolerance (temp {TOLERANCE['temp']:.0%}, permutes exact, FLOPs 1%, bubble exact): "
               + ", ".join(bad))
     return 1 if bad else 0
 

@@ -217,9 +217,12 @@ def test_cpu_program_updates_in_place_layer_by_layer():
     copies = [i.type_str.split("{")[0] for i in mod.instrs
               if i.computation in inside and i.opcode == "copy"]
     assert copies and not set(copies) & stacked
-    # and holds less than the non-offloaded step, which keeps a whole copy for its update
+    # and holds at most one streamed piece more than the non-offloaded step's in-place update
     _, base_exe, _ = _compiled(*BASE)
-    assert compiled.memory(exe)["temp"] < compiled.memory(base_exe)["temp"]
+    piece = sum(t.bytes for t in planner.predict(setup.cfg).memory.terms
+                if t.what.startswith("one streamed piece"))
+    assert piece > 0
+    assert compiled.memory(exe)["temp"] <= compiled.memory(base_exe)["temp"] + piece
 
 
 def test_offload_adds_no_collective():
@@ -238,13 +241,13 @@ def test_planner_predicts_the_streamed_update():
            "flops": compiled.flops(exe, text)}
     cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
     assert cmp["ok"], validate.format_comparison(cmp)
-    # the update phase holds one streamed piece, not a copy of the whole optimizer state
+    # the update phase holds one streamed piece more than the in-place update without offload
     mem, base = planner.predict(cfg).memory, planner.predict(tiny_config(*BASE)).memory
     piece = offload.piece_bytes(Spec.from_config(cfg))
     assert [t.bytes for t in mem.terms if "streamed piece" in t.what] == [piece]
     assert mem.phases["update"] == pytest.approx(sum(t.bytes for t in mem.terms
                                                      if t.row == "update"))
-    assert mem.phases["update"] < base.phases["update"]
+    assert mem.phases["update"] == pytest.approx(base.phases["update"] + piece)
 
 
 def test_planner_gpu_device_total_falls_by_the_offloaded_bytes():
@@ -260,7 +263,8 @@ def test_planner_gpu_device_total_falls_by_the_offloaded_bytes():
     host = off.memory.xla["host_argument"]
     assert host > 6e9
     assert none.memory.xla["total"] - off.memory.xla["total"] >= 0.8 * host
-    assert off.memory.phases["update"] < none.memory.phases["update"]
+    piece = offload.piece_bytes(off.spec)
+    assert off.memory.phases["update"] == pytest.approx(none.memory.phases["update"] + piece)
 
 
 # ----------------------------------------------------------------------------- checkpoint

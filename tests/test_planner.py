@@ -28,7 +28,7 @@ def _compiled(plan):
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_prediction_matches_compiled_step(plan):
     """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validate.TOLERANCE` (5%,
-    16%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
+    20%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
     tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice (the prediction
     names that kind per collective), and the LM head's backward all-gather is `optional`
     (XLA's CSE merges it with the forward one on some configs, not on others)."""

@@ -103,3 +103,18 @@ def test_scan_body_copies_no_stacked_buffer(bf16_text, bf16_setup):
         copies = [i for i in module.instrs if i.computation == name and i.opcode == "copy"]
         stacked = [i for i in copies if any(dims[:1] == (L,) for _, dims in hlo.shapes(i.type_str))]
         assert len(copies) <= 2 and not stacked, (name, [f"{i.name} {i.type_str}" for i in copies])
+
+
+def test_update_writes_the_donated_state_in_place(bf16_text):
+    """The optimizer update reads each old master weight and moment once and overwrites it: no
+    copy of any train-state array at the step's entry (the step counter, a scalar, may be). A select of new against old for the
+    non-finite guard read the old state again after the update, and XLA then copied the master
+    weights and moments at entry (`precision.update_if_finite`)."""
+    module = hlo.Module(bf16_text)
+    state = {i.name for i in module.instrs if i.computation == module.entry
+             and i.opcode == "parameter" and 'op_name="state.' in i.rest
+             and hlo.shapes(i.type_str)[0][1]}
+    assert len(state) > 20                              # params, moments, master weights
+    copied = [i.name for i in module.instrs if i.computation == module.entry
+              and i.opcode == "copy" and i.rest.split(")")[0].lstrip("(%") in state]
+    assert not copied, copied

@@ -97,15 +97,21 @@ def memory(spec) -> list[Term]:
     """Expert weights follow the rules and the routed activations are in the layer table
     (`planner.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
     place) the backward of a scanned MoE layer holds a copy of the layer's expert weights sliced
-    out of the stack, the operand of the batched expert matmuls (read from XLA:CPU buffer
-    assignments: dp2 x ep4, ep8)."""
+    out of the stack, the operand of the batched expert matmuls; dropless without ep on a CPU
+    holds the stacked expert gradient twice (read from XLA:CPU buffer assignments: dp2 x ep4,
+    ep8, dp8 dropless)."""
     from jaxscale.strategies.fsdp import gather_axes
     if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
         return []
     from jaxscale.planner.params import leaves
     local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
-    return [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
-                 "one MoE layer's expert weights, sliced out of the stack")]
+    out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
+                "one MoE layer's expert weights, sliced out of the stack")]
+    if spec.model.moe_dropless and spec.deg("ep") == 1 and spec.device_kind == "cpu":
+        out.append(Term("backward", local * spec.wire_param_itemsize,
+                        "the expert gradient stack again: updated out of place under "
+                        "ragged_dot's CPU lowering (dp8 dropless)"))
+    return out
 
 
 def label(spec) -> list[str]:

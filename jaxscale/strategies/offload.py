@@ -245,11 +245,9 @@ def collectives(spec) -> list:
 
 def memory(spec) -> list[Term]:
     """Each offloaded part leaves device memory for host memory, byte for byte; and the update
-    phase holds one streamed piece instead of a copy of the whole optimizer state."""
+    phase holds one streamed piece of it on the device."""
     if not active(spec):
         return []
-    from jaxscale.planner.memory import optimizer_copy
-    from jaxscale.planner.params import shards
     from jaxscale.strategies.precision import state_bytes
     state = state_bytes(spec)
     out = []
@@ -257,9 +255,7 @@ def memory(spec) -> list[Term]:
         if part in parse(spec.offload):
             out += [Term(part, -state[part], f"{part} offloaded to host memory"),
                     Term("host", state[part], f"{part} in host memory", part=part)]
-    return out + [Term("update", -optimizer_copy(spec, shards(spec)),
-                       "no copy of the whole optimizer state: the update is streamed"),
-                  Term("update", piece_bytes(spec),
+    return out + [Term("update", piece_bytes(spec),
                        "one streamed piece: a layer's state, its update, its fp32 gradient")]
 
 

@@ -159,8 +159,28 @@ def cast_tree(tree, dtype: str):
 
 
 def keep_if_finite(finite, new, old):
-    """The step's guard: the new values where the step was finite, else the old ones (a skipped
-    step leaves parameters, master weights and optimizer state untouched)."""
+    """The new values where the step was finite, else the old ones: a select, for values the
+    step computes anyway (the loss scale, error-feedback residuals, a streamed piece of state)."""
     import jax
     import jax.numpy as jnp
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def update_if_finite(finite, fn, inputs, state, mesh, specs):
+    """The step's guard on the optimizer update: `fn(inputs, state)` (the new state) where the
+    step was finite, else `state` untouched, as one `lax.cond`.
+
+    Not a select of new against old: the old state is donated and updated in place, and a
+    select reads it again after the update, so XLA copies the whole fp32 state at the step's
+    entry (tiny dp8 bf16: compiled temp 6.78 MB with the select, 4.34 MB with the cond, the
+    same as with no guard). The cond runs in `jax.shard_map` on each device's own shards
+    (`specs`: the inputs' and the state's mesh specs): the update is element-wise there, so the
+    branch needs no collective, and GSPMD has no branch to reshard the state through (a cond
+    under GSPMD added collective-permutes to ZeRO-1 on dp2xfsdp2xtp2)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def guarded(finite, inputs, state):
+        return jax.lax.cond(finite, fn, lambda _, s: s, inputs, state)
+    return jax.shard_map(guarded, mesh=mesh, in_specs=(P(),) + tuple(specs),
+                         out_specs=specs[1], check_vma=False)(finite, inputs, state)

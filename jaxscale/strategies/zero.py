@@ -17,9 +17,9 @@ backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's, over (dp,
 the gradient reduction is the data axes', `dp.py`). XLA may turn stage 1's all-reduce + slice
 into a reduce-scatter itself. On a mesh with fsdp too, the ZeRO shards nest as ('dp', 'fsdp') on
 the fsdp dimension while fsdp-sharded values are fsdp-major: XLA re-lays the shards with a
-permute over (dp, fsdp) (half the devices swap), once at stage 2; at stage 1 the update and the
-non-finite select each run in the ZeRO layout, so the shard moves 4 times and the parameters are
-gathered twice.
+permute over (dp, fsdp) (half the devices swap) for each fsdp-major value the update reads or
+writes in the ZeRO layout: the new parameters, the gradients at stage 1 (still fsdp-major), and
+the parameters again in fp32 (no master: the update reads them).
 
 In the step (`jaxscale.train`): `state_specs` gives each part of the train state its layout;
 gradients take the sharded layout from stage 2 (`StateSpecs.grads`).
@@ -121,12 +121,10 @@ def collectives(spec) -> list[Comm]:
         return []
     from jaxscale.planner.params import shards
     local = shards(spec.with_(zero=0)).params * spec.wire_param_itemsize
-    fsdp = spec.deg("fsdp") > 1
-    gathers = 2 if (z == 1 and fsdp) else 1
-    out = [Comm("all-gather", (AXIS,), gathers * local, gathers, "updated parameters, ZeRO-1/2",
+    out = [Comm("all-gather", (AXIS,), local, 1, "updated parameters, ZeRO-1/2",
                 group=spec.deg(AXIS), overlap=True)]
-    if fsdp:
-        moves = 4 if z == 1 else 1
+    if spec.deg("fsdp") > 1:
+        moves = 1 + (z == 1) + (not spec.mixed)
         out.append(Comm("collective-permute", (AXIS, "fsdp"), moves * local / spec.deg(AXIS),
                         moves, "ZeRO shard re-layout between fsdp-major and ('dp', 'fsdp') order",
                         group=2, overlap=True))

@@ -92,9 +92,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     def update(updates, state, params=None, *, grad_norm=None, **_):
         del params
         norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
-        keep = norm < max_norm
-        return jax.tree.map(lambda g: jnp.where(keep, g, g / norm.astype(g.dtype) * max_norm),
-                            updates), state
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 

@@ -32,12 +32,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale import qat
 from jaxscale.axes import use_rules
 from jaxscale.strategies import accumulate, compression, offload, overlap, pp, sp
-from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
+from jaxscale.strategies.precision import (cast_tree, keep_if_finite, update_if_finite,
+                                           update_loss_scale)
 from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, _is_spec,
                                   named_shardings)
 
@@ -200,37 +201,47 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
             if comm is not None:        # a skipped step keeps its error-feedback residual too
                 comm = keep_if_finite(finite, comm, state.comm)
 
-            def update(grads, opt_state, master, params):
+            has_master = state.master is not None
+
+            def update(inputs, state):
                 """The optimizer update of the whole state or of any piece of it (a tree with
                 `None` where a leaf is not in the piece): element-wise but for the clip, which
                 takes the global norm of all the gradients."""
-                target = master if master is not None else params
-                updates, new_opt = optimizer.update(grads, opt_state, target, grad_norm=grad_norm)
-                new_target = optax.apply_updates(target, updates)
-                if pruner is not None:      # the mask of the updated weights, every step
-                    new_target = pruner(new_target, state.step + 1)
-                new_params = cast_tree(new_target, policy.param_dtype) if master is not None \
-                    else new_target
-                return (keep_if_finite(finite, new_params, params),
-                        keep_if_finite(finite, new_opt, opt_state),
-                        keep_if_finite(finite, new_target, master) if master is not None else None)
+                grads, norm = inputs
+                opt_state, target = state
+                updates, new_opt = optimizer.update(grads, opt_state, target, grad_norm=norm)
+                return new_opt, optax.apply_updates(target, updates)
+
+            def working(target):        # the working parameters of the updated target
+                return cast_tree(target, policy.param_dtype) if has_master else target
 
             if lay.offload:       # streamed: one layer's offloaded state on the device at a time
+                def piece(grads, opt_state, master, params):
+                    old = (opt_state, master if has_master else params)
+                    new_opt, target = keep_if_finite(finite, update((grads, grad_norm), old), old)
+                    return working(target), new_opt, target if has_master else None
+
                 opt_index = optax.tree_map_params(optimizer, lambda _, j: j, state.opt_state,
                                                   param_index, transform_non_params=lambda _: -1)
-                has_master = state.master is not None
                 # the old working parameters from where they live (updated there in place)
                 new_params, new_opt, new_master = offload.streamed_update(
-                    update, (grads, state.opt_state, state.master, state.params),
+                    piece, (grads, state.opt_state, state.master, state.params),
                     arg_sh=(grads_sh, host_sh.opt_state, host_sh.master, host_sh.params),
                     out_sh=(host_sh.params, host_sh.opt_state, host_sh.master),
                     out_like=(3, 1, 2),
                     index=(param_index, opt_index, param_index if has_master else None,
                            param_index),
                     stacked=stacked, after=grad_norm)
-            else:
-                new_params, new_opt, new_master = update(grads, state.opt_state, state.master,
-                                                         params)
+            else:       # on each device's optimizer shards; a skipped step changes nothing
+                shards, opt_specs = lay.specs.shards, jax.tree.map(lambda sh: sh.spec,
+                                                                   device_sh.opt_state)
+                new_opt, target = update_if_finite(
+                    finite, update, (grads, grad_norm),
+                    (state.opt_state, state.master if has_master else params),
+                    placement.mesh, ((shards, P()), (opt_specs, shards)))
+                if pruner is not None:      # the masks for the updates done (as they were
+                    target = pruner(target, state.step + finite)    # when the step is skipped)
+                new_params, new_master = working(target), target if has_master else None
 
         new_state = TrainState(
             step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
