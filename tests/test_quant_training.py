@@ -135,6 +135,27 @@ def test_fp8_trains_and_rolls_its_amax_history(fp8_one, batches, initial, tmp_pa
     np.testing.assert_array_equal(restored.quant["amax_history"], hist[-1])
 
 
+def test_fp8_records_the_largest_amax_over_micro_batches(fp8_one, batches, initial):
+    """With plan.accumulate=2 a step's amaxes are the larger of the two micro-batches' (what a
+    scale must cover), not their mean: each micro-batch run alone (its rows twice, so the batch
+    size is the same) gives the same x and w amaxes as it does inside the accumulated step."""
+    acc = Run(*MESH_1, "plan.qat=fp8", "plan.fp8_amax_history=3", "plan.accumulate=2")
+    rows = batches.global_rows(0)
+    micro = [{k: np.concatenate([v[j::2]] * 2) for k, v in rows.items()} for j in (0, 1)]
+
+    def newest(run, host_batch):
+        fresh = quant.init_state(Spec.from_config(run.cfg, 1))
+        state = jax.device_put(dataclasses.replace(initial, quant=fresh),
+                               run.setup.state_shardings)
+        batch = jax.device_put(host_batch, run.setup.batch_shardings())
+        return np.asarray(jax.device_get(run.compiled(state, batch)[0].quant)["amax_history"])[..., 0]
+    fwd = [i for i, s in enumerate(qat.SLOTS) if s[0] in "xw"]
+    both = newest(acc, rows)[:, fwd]
+    alone = [newest(fp8_one, m)[:, fwd] for m in micro]
+    assert not np.allclose(alone[0], alone[1], rtol=1e-3)       # the micro-batches differ
+    np.testing.assert_allclose(both, np.maximum(*alone), rtol=1e-5)
+
+
 def test_int8_parallel_plan_matches_one_device(int8_one, batches, initial):
     mix = Run(*MIX, "plan.qat=int8", one_device=False)
     assert dot_operands(mix.text)[("s8", "s8", "s32")] > 0

@@ -72,10 +72,13 @@ def split(batch: dict, k: int) -> dict:
     return jax.tree.map(f, batch)
 
 
-def grads(sum_loss_fn, params, batch: dict, k: int):
+def grads(sum_loss_fn, params, batch: dict, k: int, combine=None):
     """Sum over micro-batches of grad(sum_loss_fn); returns (grads, aux summed).
 
-    `sum_loss_fn(params, micro_batch) -> (scalar, aux)` with `aux` a tuple of scalars."""
+    `sum_loss_fn(params, micro_batch) -> (scalar, aux)` with `aux` a tuple of scalars. `combine`:
+    a prefix of `params` with a binary op at each leaf (`jnp.add` when not given), e.g.
+    `(jnp.add, jnp.maximum)` for fp8 QAT's (parameters, scales), whose "gradient" is the amaxes
+    seen: the largest over the micro-batches, not their sum."""
     import jax
     import jax.numpy as jnp
     grad_fn = jax.grad(sum_loss_fn, has_aux=True)
@@ -83,11 +86,14 @@ def grads(sum_loss_fn, params, batch: dict, k: int):
         return grad_fn(params, batch)
     micro = split(batch, k)
 
+    ops = jnp.add if combine is None else combine
+
     def body(carry, mb):
         g_acc, aux_acc = carry
         mb = {key: constrain(v, "batch", "seq") for key, v in mb.items()}
         g, aux = grad_fn(params, mb)
-        g_acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), g_acc, g)
+        g_acc = jax.tree.map(lambda op, a, x: jax.tree.map(
+            lambda u, v: op(u, v.astype(u.dtype)), a, x), ops, g_acc, g)
         return (g_acc, jax.tree.map(jnp.add, aux_acc, aux)), None
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)   # fp32 accumulator
     aux0 = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro))[1])

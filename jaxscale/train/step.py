@@ -112,10 +112,11 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
         fn = lambda p, b: sum_loss(p, b, scale / slots, reg_tokens, teacher)  # noqa: E731
         if quant is not None:   # fp8 delayed scaling: per-layer scales in, their amaxes out
             fn, params = qat.probing(fn), (params, quant)
-        grads, (total, ntok, *rest) = accumulate.grads(fn, params, batch, k)
+        grads, (total, ntok, *rest) = accumulate.grads(
+            fn, params, batch, k, combine=None if quant is None else (jnp.add, jnp.maximum))
         amax = None
-        if quant is not None:   # the "gradient" of the scales: the amaxes seen (mean over k)
-            grads, amax = grads[0], grads[1] / k
+        if quant is not None:   # the "gradient" of the scales: the amaxes seen (max over k)
+            grads, amax = grads
         kd, rest = (rest[-1], rest[:-1]) if distill is not None else (None, rest)
         denom = jnp.where(ntok > 0, ntok, 1.0) / slots * scale
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
@@ -223,7 +224,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
 
                 opt_index = optax.tree_map_params(optimizer, lambda _, j: j, state.opt_state,
                                                   param_index, transform_non_params=lambda _: -1)
-                # the old working parameters from where they live (updated there in place)
+                # the working parameters are written in place where they live
                 new_params, new_opt, new_master = offload.streamed_update(
                     piece, (grads, state.opt_state, state.master, state.params),
                     arg_sh=(grads_sh, host_sh.opt_state, host_sh.master, host_sh.params),
