@@ -118,3 +118,19 @@ def test_update_writes_the_donated_state_in_place(bf16_text):
     copied = [i.name for i in module.instrs if i.computation == module.entry
               and i.opcode == "copy" and i.rest.split(")")[0].lstrip("(%") in state]
     assert not copied, copied
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_an_fsdp_mesh_moves_no_shard(stage):
+    """ZeRO-1/2 split each fsdp shard over dp (('fsdp', 'dp')): the update slices the gradients
+    and parameters each device already holds and the gathered parameters land in fsdp's layout,
+    so no collective-permute re-lays anything (nested ('dp', 'fsdp'), fp32 ZeRO-1 moved 714 KB
+    per step here)."""
+    from jaxscale import compiled
+    setup = build(tiny_config("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", f"plan.zero={stage}"))
+    specs = jax.tree.leaves(setup.layout.specs.shards,
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert any(("fsdp", "dp") in tuple(s) for s in specs)
+    text = setup.lower_train_step().compile().as_text()
+    kinds = {c["kind"] for c in compiled.census(text, setup.placement.mesh)}
+    assert "all-gather" in kinds and "collective-permute" not in kinds
