@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from jaxscale import plan as plan_lib
 from jaxscale.planner import params as params_lib
 from jaxscale.planner.activations import of_spec
-from jaxscale.strategies import fsdp, pp
+from jaxscale.strategies import fsdp, pp, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.zero import STAGE_OF
 
@@ -103,16 +103,14 @@ def model_terms(spec, full) -> list[Term]:
     # kept whole over dp until the update (no layer-by-layer reduction, no ZeRO-2 scatter), the
     # stack is placed around the backward's short-lived buffers: XLA:CPU's heap leaves about half
     # a gradient buffer unused then (compiled temp against the live-set peak, `docs/planner.md`)
-    whole = not fsdp.gather_axes(spec) and STAGE_OF["grads"] > (spec.zero if spec.deg("dp") > 1
-                                                                else 0)
-    packing = [Term("backward", grads / 2, "heap packing around the whole gradient stack")] \
-        if whole else []
-    return packing + [Term("backward", grads, "local gradient buffer"),
-            Term("backward", full.saved,
-                 "one layer's activations while its backward runs"),
-            Term("backward", logits, "fp32 logits and their gradient"),
-            Term("backward", attention_tiles(spec), "blockwise attention's backward tiles"),
-            Term("update", grads, "local gradient buffer")]
+    whole = not fsdp.gather_axes(spec) and zero.stage(spec) < STAGE_OF["grads"]
+    packing = [Term("backward", grads / 2, "heap packing around the whole gradient stack")]
+    return (packing if whole else []) + [
+        Term("backward", grads, "local gradient buffer"),
+        Term("backward", full.saved, "one layer's activations while its backward runs"),
+        Term("backward", logits, "fp32 logits and their gradient"),
+        Term("backward", attention_tiles(spec), "blockwise attention's backward tiles"),
+        Term("update", grads, "local gradient buffer")]
 
 
 def attention_tiles(spec) -> float:
