@@ -3,6 +3,7 @@
     python experiments/planner_validation.py                 # table, runs/planner_validation/
     python experiments/planner_validation.py --update-docs   # also rewrite docs/planner.md's table
     python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
+    python experiments/planner_validation.py --live-set      # also XLA:CPU's heap packing
 
 Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `jaxscale.planner.validate`
 `tiny_config`) or the small one on the 8 simulated CPU devices, and compares, per device:
@@ -11,12 +12,22 @@ census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and the L
 backward all-gather are handled by `jaxscale.planner.validate`, and each row says so), and
 matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
 `jaxscale.planner.validate.CASES`.
+
+With --live-set XLA dumps each train step's buffer assignment and live ranges, and each row adds
+the live-set peak (the most bytes of temporaries alive at once in the schedule) and XLA's packing
+of them (compiled temp / live-set peak), which the planner does not model but for a gradient
+stack kept whole until the update.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +35,10 @@ from _common import cpu_only  # first: 8 simulated devices before jax is importe
 
 cpu_only()
 ROOT = Path(__file__).resolve().parent.parent
+DUMP = tempfile.mkdtemp(prefix="jaxscale_live_") if "--live-set" in sys.argv else None
+if DUMP:        # read when XLA starts, so before the first compilation
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} "
+                               "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
 
 import jax  # noqa: E402
 
@@ -33,18 +48,42 @@ from jaxscale import compiled, planner  # noqa: E402
 from jaxscale.planner import validate  # noqa: E402
 from jaxscale.planner.validate import CASES, tiny_config  # noqa: E402
 
+def live_peak(prefix: str) -> int:
+    """The most bytes of temporaries alive at once: the values of XLA's preallocated temp buffer
+    (sizes from the buffer assignment) summed over their live ranges in the schedule."""
+    assignment = Path(prefix + "-buffer-assignment.txt").read_text()
+    ranges = Path(prefix + "-live-range.txt").read_text().split("BufferLiveRange:")[1]
+    temp = [a for a in re.split(r"\nallocation \d+: ", assignment)
+            if "preallocated-temp" in a.split("\n")[0]]
+    if not temp:
+        return 0
+    size = {m.group(1) + (m.group(2) or "{}"): int(m.group(3)) for m in re.finditer(
+        r"value: <\d+ ([\w.\-]+)(\{[\d,]*\})? @0> \(size=(\d+),offset=\d+\)", temp[0])}
+    live = {}
+    for m in re.finditer(r"^\s+([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)", ranges, re.M):
+        for t in range(int(m.group(2)), int(m.group(3)) + 1):
+            live[t] = live.get(t, 0) + size.get(m.group(1), 0)
+    return max(live.values(), default=0)
+
+
 def run(name: str) -> dict:
     cfg = tiny_config(*CASES[name])
     t0 = time.perf_counter()
     rep = compiled.report(cfg)
     cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
     cmp["case"], cmp["compile_s"] = name, time.perf_counter() - t0
+    if DUMP:       # this step's dump: the newest module; then clear the folder for the next
+        names = sorted(glob.glob(os.path.join(DUMP, "*train_step*-buffer-assignment.txt")))
+        cmp["live_peak"] = live_peak(names[-1][:-len("-buffer-assignment.txt")])
+        shutil.rmtree(DUMP)
     return cmp
 
 
 def markdown(results: list[dict]) -> str:
-    head = ("| plan | arg+out | temp (predicted / compiled) | collectives: worst row | FLOPs | ok |\n"
-            "|---|---|---|---|---|---|")
+    live = all("live_peak" in r for r in results)
+    head = ("| plan | arg+out | temp (predicted / compiled) | collectives: worst row | FLOPs | ok |"
+            + (" XLA packing |" if live else "") + "\n|---|---|---|---|---|---|"
+            + ("---|" if live else ""))
     rows = [head]
     for r in results:
         m = {x["what"]: x for x in r["memory"]}
@@ -54,7 +93,8 @@ def markdown(results: list[dict]) -> str:
               if worst and worst["ratio"] is not None else ("none" if not worst else "missing"))
         rows.append(f"| {r['case']} | {m['argument+output']['ratio']:.4f} | {t['ratio']:.3f} "
                     f"({t['predicted'] / 2**20:.2f} / {t['compiled'] / 2**20:.2f} MiB) | {wc} | "
-                    f"{m['flops']['ratio']:.4f} | {'yes' if r['ok'] else '**no**'} |")
+                    f"{m['flops']['ratio']:.4f} | {'yes' if r['ok'] else '**no**'} |"
+                    + (f" {t['compiled'] / r['live_peak']:.2f} |" if live else ""))
     return "\n".join(rows)
 
 
@@ -64,10 +104,14 @@ def summary(results: list[dict]) -> str:
         return max(vals, key=lambda v: abs(v - 1))
     comm = [c["ratio"] for r in results for c in r["collectives"] if c["ratio"] is not None]
     wc = max(comm, key=lambda v: abs(v - 1)) if comm else 1.0
+    packing = [x["compiled"] / r["live_peak"] for r in results for x in r["memory"]
+               if x["what"] == "temp" and r.get("live_peak")]
     return (f"Worst predicted/compiled over {len(results)} plans: argument+output "
             f"{worst('argument+output'):.4f}, temp {worst('temp'):.3f}, collective bytes "
             f"{wc:.4f}, FLOPs {worst('flops'):.4f}; {sum(r['ok'] for r in results)} of "
-            f"{len(results)} inside every tolerance.")
+            f"{len(results)} inside every tolerance."
+            + (f" XLA:CPU packs the temporaries into {min(packing):.2f}-{max(packing):.2f}x "
+               f"their live-set peak." if packing else ""))
 
 
 def update_docs(table: str, path: Path) -> None:
@@ -85,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--update-docs", action="store_true", help="rewrite docs/planner.md's table")
     ap.add_argument("--out", default=str(ROOT / "runs" / "planner_validation"))
     ap.add_argument("-v", "--verbose", action="store_true", help="print every row of every case")
+    ap.add_argument("--live-set", action="store_true",
+                    help="also XLA's packing: compiled temp / the live-set peak of its schedule")
     args = ap.parse_args(argv)
     names = [n for n in CASES if not args.only or args.only in n]
     results = []
@@ -101,6 +147,8 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
     if args.update_docs:
         update_docs(table, ROOT / "docs" / "planner.md")
+    if DUMP:
+        shutil.rmtree(DUMP, ignore_errors=True)
     return 0 if all(r["ok"] for r in results) else 1
 
 
