@@ -84,8 +84,10 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-    """Gradients scaled by max_norm / norm when their global norm reaches max_norm (the same
-    arithmetic as `optax.clip_by_global_norm`, and the same empty state).
+    """Gradients scaled by max_norm / norm when their global norm reaches max_norm
+    (`optax.clip_by_global_norm`'s rule and empty state), as one scalar factor times each
+    gradient, as torch's `clip_grad_norm_` applies it: a multiply XLA fuses into the update's
+    element-wise loops, where optax's divide-then-scale was materialised as a gradient copy.
 
     The norm may be given (`update(..., grad_norm=n)`): an update applied piece by piece (host
     offload streams it layer by layer) clips every piece by the norm of all the gradients."""
