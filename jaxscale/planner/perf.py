@@ -121,7 +121,7 @@ def moe_rows(spec) -> tuple[float, float]:
     if not spec.moe:
         return 0.0, 0.0
     rows = ep.expert_rows(spec)
-    if m.moe_dropless and spec.deg("ep") == 1 and spec.device_kind == "cpu":
+    if ep.ragged_dense(spec):
         rows *= m.moe_experts
     return rows, m.n_moe_layers / m.n_layers
 

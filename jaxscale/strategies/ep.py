@@ -61,11 +61,22 @@ def rules(spec, rules) -> None:
         rules.add("experts", "ep", by="ep")
 
 
+def ragged(spec) -> bool:
+    """Dropless without ep: each token's k rows sorted by expert through `jax.lax.ragged_dot`."""
+    return bool(spec.model.moe_dropless) and spec.deg("ep") == 1
+
+
+def ragged_dense(spec) -> bool:
+    """`ragged` on a CPU, where `ragged_dot` lowers to its reference: a dense matmul of every
+    row with every expert."""
+    return ragged(spec) and spec.device_kind == "cpu"
+
+
 def expert_rows(spec) -> float:
     """Expert rows per token of a MoE layer: E C / T slots of the capacity buffer (E in
     dropless mode under ep: the worst case), or exactly k sorted rows for dropless without ep."""
     m = spec.model
-    if m.moe_dropless and spec.deg("ep") == 1:
+    if ragged(spec):
         return float(m.moe_top_k)
     T = int(spec.local_seq)
     return m.moe_experts * m.moe_capacity(T) / T
@@ -107,7 +118,7 @@ def memory(spec) -> list[Term]:
     local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
     out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
                 "one MoE layer's expert weights, sliced out of the stack")]
-    if spec.model.moe_dropless and spec.deg("ep") == 1 and spec.device_kind == "cpu":
+    if ragged_dense(spec):
         out.append(Term("backward", local * spec.wire_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
                         "ragged_dot's CPU lowering (dp8 dropless)"))
