@@ -122,7 +122,7 @@ def target_spec(spec, leaf):
     model = spec.rules.spec(leaf.axes)
     z = zero.stage(spec)
     if (spec.mixed and z >= 1) or z >= 3:
-        return zero.shard_spec(model, leaf.shape, spec.degrees, minor=z < 3)
+        return zero.shard_spec(model, leaf.shape, spec.degrees, z)
     return model
 
 

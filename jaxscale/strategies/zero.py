@@ -49,10 +49,10 @@ def shard_factor(spec, part: str) -> int:
     return spec.deg(AXIS) if stage(spec) >= STAGE_OF[part] else 1
 
 
-def shard_spec(spec, shape: tuple[int, ...], axis_sizes: dict[str, int], axis: str = AXIS,
-               minor: bool = True):
-    """`spec` with `axis` added on one dimension (see module docstring): after the axes already
-    there (`minor`: it splits each of their shards) or before them."""
+def shard_spec(spec, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
+               axis: str = AXIS):
+    """`spec` with `axis` added on one dimension (see module docstring): at stages 1 and 2 after
+    the axes already there (it splits each of their shards), at stage 3 before them."""
     from jax.sharding import PartitionSpec as P
     n = axis_sizes.get(axis, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -65,7 +65,8 @@ def shard_spec(spec, shape: tuple[int, ...], axis_sizes: dict[str, int], axis: s
     order += [i for i, e in enumerate(entries) if e is None]
     for i in order:
         if local(i) % n == 0:
-            nest = _axes(entries[i]) + (axis,) if minor else (axis,) + _axes(entries[i])
+            nest = (_axes(entries[i]) + (axis,) if zero_stage < 3
+                    else (axis,) + _axes(entries[i]))
             entries[i] = nest if entries[i] else axis
             return P(*entries)
     return P(*entries)
@@ -93,8 +94,7 @@ def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int]
     from jax.sharding import PartitionSpec as P
     if not zero_stage:
         return StateSpecs(model_specs, model_specs, model_specs, model_specs)
-    minor = zero_stage < 3      # stage 3 gathers over (dp, fsdp) in the batch's order
-    sharded = jax.tree.map(lambda sp, a: shard_spec(sp, a.shape, axis_sizes, minor=minor),
+    sharded = jax.tree.map(lambda sp, a: shard_spec(sp, a.shape, axis_sizes, zero_stage),
                            model_specs, shapes, is_leaf=lambda x: isinstance(x, P))
     return StateSpecs(params=sharded if zero_stage >= 3 else model_specs, model=model_specs,
                       shards=sharded, grads=sharded if zero_stage >= 2 else model_specs)
