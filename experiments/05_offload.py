@@ -44,7 +44,9 @@ import numpy as np  # noqa: E402
 
 from jaxscale import models  # noqa: E402
 from jaxscale import hardware, compiled, planner  # noqa: E402
+from jaxscale.plan import Spec  # noqa: E402
 from jaxscale.planner import validate  # noqa: E402
+from jaxscale.strategies import offload as offload_lib  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -81,7 +83,7 @@ def placement(offload: str, batches) -> dict:
             "losses": losses, "psi": cfg.model.param_count(),
             "temp": compiled.memory(exe)["temp"],
             "temp_predicted": pred.xla["temp"],
-            "piece": sum(t.bytes for t in pred.terms if t.what.startswith("one streamed piece")),
+            "piece": offload_lib.piece_bytes(Spec.from_config(cfg)) if offload != "none" else 0.0,
             "moves": gpu_moves(setup) if offload != "none" else {}}
 
 
