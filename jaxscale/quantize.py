@@ -213,6 +213,22 @@ def _keep_largest(a_RN, k):
     return rank >= k
 
 
+def magnitude_mask(w, names, sparsity):
+    """Keep-mask of one weight: all but its round(sparsity x size) smallest |w|, each stacked
+    index a matrix of its own (`sparsity` may be traced)."""
+    m_RN, back = _matrices(w, tuple(names))
+    return back(_keep_largest(m_RN, jnp.round(sparsity * m_RN.shape[1]).astype(jnp.int32)))
+
+
+def nm_mask(w, names, n: int, m: int):
+    """Keep-mask of one weight: n of every m consecutive |w| along its innermost contracted
+    axis."""
+    ax = contracted_axes(tuple(names))[-1]
+    wt = jnp.moveaxis(w, ax, -1)
+    keep = _keep_largest(wt.reshape(-1, m), m - n).reshape(wt.shape)
+    return jnp.moveaxis(keep, -1, ax)
+
+
 def magnitude_masks(params, logical, sparsity: float, scope: str = "per_tensor"):
     """Boolean masks (None for leaves that are not pruned) zeroing the smallest |w|: exactly
     round(sparsity x size) per matrix (`per_tensor`, each stacked index a matrix) or over all
@@ -228,10 +244,7 @@ def _magnitude(params, lg, sparsity, scope):
     logical, skip = lg.tree(), (lambda w: None)
     if scope == "per_tensor":
         def one(w, names, _):
-            if not _prunable(names):
-                return None
-            m, back = _matrices(w, names)
-            return back(_keep_largest(m, round(sparsity * m.shape[1])))
+            return magnitude_mask(w, names, sparsity) if _prunable(names) else None
         return _map_weights(one, params, logical, skip)
     flat = _map_weights(lambda w, n, _: w if _prunable(n) else None, params, logical, skip)
     leaves, tdef = jax.tree.flatten(flat)
@@ -262,9 +275,7 @@ def _nm(params, lg, n, m):
             raise ValueError(f"{n}:{m} pruning of {jax.tree_util.keystr(path)}: its contracted "
                              f"axis {ax} ('{names[ax]}', size {w.shape[ax]}) is not divisible "
                              f"by m={m}")
-        wt = jnp.moveaxis(w, ax, -1)
-        keep = _keep_largest(wt.reshape(-1, m), m - n).reshape(wt.shape)
-        return jnp.moveaxis(keep, -1, ax)
+        return nm_mask(w, names, n, m)
     return _map_weights(one, params, lg.tree(), lambda w: None)
 
 

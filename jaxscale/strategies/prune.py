@@ -186,18 +186,11 @@ def target_sparsity(spec, step):
 
 def mask(w, names, kind, sparsity=None):
     """The keep-mask of one weight: magnitude at (traced) `sparsity`, or N:M."""
-    import jax.numpy as jnp
-
-    from jaxscale.quantize import _keep_largest, _matrices, contracted_axes
+    from jaxscale.quantize import magnitude_mask, nm_mask
     if kind[0] == "magnitude":
-        m_RN, back = _matrices(w, tuple(names))
-        k = jnp.round(sparsity * m_RN.shape[1]).astype(jnp.int32)
-        return back(_keep_largest(m_RN, k))
+        return magnitude_mask(w, names, sparsity)
     _, n, m = kind
-    ax = contracted_axes(tuple(names))[-1]
-    wt = jnp.moveaxis(w, ax, -1)
-    keep = _keep_largest(wt.reshape(-1, m), m - n).reshape(wt.shape)
-    return jnp.moveaxis(keep, -1, ax)
+    return nm_mask(w, names, n, m)
 
 
 def _entry_axes(e) -> tuple[str, ...]:
