@@ -202,7 +202,7 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
             if comm is not None:        # a skipped step keeps its error-feedback residual too
                 comm = keep_if_finite(finite, comm, state.comm)
 
-            has_master = state.master is not None
+            has_master = lay.master
 
             def update(inputs, state):
                 """The optimizer update of the whole state or of any piece of it (a tree with
