@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.bench.torch_collectives import TorchFailure, TorchJob, _free_port
+from jaxscale.comm.torch_bench import TorchFailure, TorchJob, _free_port
 
 from jaxscale.benchmarks.matched_report import format_collectives, format_table, plot  # noqa: E402,F401
 
@@ -267,7 +267,7 @@ def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk
 
     import jax
 
-    from jaxscale.hf import params_to_hf
+    from jaxscale.interop.hf import params_to_hf
     from jaxscale.plan import validate
     log = log or (lambda s: None)
     if len(jax.devices()) < world:
@@ -300,7 +300,7 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
     import jax
 
     from jaxscale.benchmarks.torch_llama import TorchLlamaConfig
-    from jaxscale.compiled import census, memory
+    from jaxscale.analysis.inspect import census, memory
     from jaxscale.train.setup import build
     from jaxscale.train.state import TrainState, state_bytes
     cfg = pair_config(base_cfg, mode, world, hsdp_dp)

@@ -28,7 +28,8 @@ import _common as C  # first: it sets up the 8 simulated devices before jax is i
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxscale import hardware, compiled  # noqa: E402
+from jaxscale import hardware  # noqa: E402
+from jaxscale.analysis import inspect
 from jaxscale.kernels.reference import reference_attention  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
@@ -43,7 +44,7 @@ SEQ, BATCH = 128, 16
 def breakdown(model: str, n_layers: int, plan: tuple) -> dict:
     cfg = C.config(*C.DP8, *plan, model=model, n_layers=n_layers, seq=SEQ, batch=BATCH)
     setup = build(cfg)
-    mem = compiled.memory(setup.lower_train_step().compile())
+    mem = inspect.memory(setup.lower_train_step().compile())
     parts = {k: sum(v.values()) for k, v in state_bytes(setup.abstract_state()).items()}
     grads = C.grad_bytes(setup)
     psi, prec, zero = cfg.model.param_count(), cfg.plan.precision, cfg.plan.zero

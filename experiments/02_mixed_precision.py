@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import hlo, compiled  # noqa: E402
+from jaxscale.analysis import hlo, inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -43,7 +43,7 @@ SCALED = 2.0 ** 20
 
 def grad_all_reduce(text: str, mesh) -> tuple[int, str]:
     """(bytes of the all-reduces per device per step from the census, their element types)."""
-    rows = [r for r in compiled.census(text, mesh) if r["kind"] == "all-reduce"]
+    rows = [r for r in inspect.census(text, mesh) if r["kind"] == "all-reduce"]
     types = sorted({dt for ins in hlo.Module(text).instrs
                     if hlo.collective_kind(ins.opcode) == "all-reduce"
                     for dt, dims in hlo.shapes(ins.type_str) if dims})

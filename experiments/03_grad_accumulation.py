@@ -20,7 +20,7 @@ import _common as C  # first: it sets up the 8 simulated devices before jax is i
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -29,7 +29,7 @@ KS, SEQ, BATCH = (1, 2, 4, 8), 64, 64
 
 def temp_bytes(k: int, batch: int) -> int:
     cfg = C.config(*C.DP8, f"plan.accumulate={k}", seq=SEQ, batch=batch)
-    return compiled.memory(build(cfg).lower_train_step().compile())["temp"]
+    return inspect.memory(build(cfg).lower_train_step().compile())["temp"]
 
 
 def grads(k: int, rows: dict):

@@ -3,7 +3,7 @@
 Topic 04: activation checkpointing (`plan.remat`), tiny model with 3 layers, one device, batch 2
 x 128 tokens, fp32. For each policy (none, save_dots, save_attention_out, full):
 
-- the compiled train step's temp bytes and its matmul FLOPs (`compiled.flops`: loop-aware HLO dot
+- the compiled train step's temp bytes and its matmul FLOPs (`inspect.flops`: loop-aware HLO dot
   FLOPs), as ratios to `none`;
 - the activations saved per layer for the backward: the outputs of the compiled forward half of
   `jax.vjp` (its residuals) that are stacked over the layer scan, less the layer's own weights.
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxscale import models  # noqa: E402
-from jaxscale import compiled  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
 from jaxscale.strategies import remat  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -95,9 +95,9 @@ def measure(policy: str) -> dict:
     weights = {squeeze(x.shape) for x in jax.tree.leaves(params)}   # weights (and reshapes)
     stacked = sum(nbytes(x) for x in outs if x.shape and x.shape[0] == L
                   and squeeze(x.shape) not in weights)
-    slack = compiled.memory(fwd)["output"] - sum(nbytes(x) for x in outs)
+    slack = inspect.memory(fwd)["output"] - sum(nbytes(x) for x in outs)
     assert 0 <= slack <= 8 * len(outs), slack     # the output tuple's pointer table
-    return {"temp": compiled.memory(step)["temp"], "flops": compiled.flops(step)["dot_flops"],
+    return {"temp": inspect.memory(step)["temp"], "flops": inspect.flops(step)["dot_flops"],
             "act_per_layer": stacked / L, "model": cfg.model}
 
 

@@ -43,9 +43,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxscale import models  # noqa: E402
-from jaxscale import hardware, compiled, planner  # noqa: E402
+from jaxscale import hardware, planner  # noqa: E402
+from jaxscale.analysis import inspect
 from jaxscale.plan import Spec  # noqa: E402
-from jaxscale.planner import validate  # noqa: E402
+from jaxscale.analysis import validation  # noqa: E402
 from jaxscale.strategies import offload as offload_lib  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -79,9 +80,9 @@ def placement(offload: str, batches) -> dict:
         state, m = exe(state, b)
         losses.append(float(m["loss"]))
     return {"offload": offload, "device": inputs["device"], "host": inputs["pinned_host"],
-            "host_out": outputs["pinned_host"], "flops": compiled.flops(exe)["dot_flops"],
+            "host_out": outputs["pinned_host"], "flops": inspect.flops(exe)["dot_flops"],
             "losses": losses, "psi": cfg.model.param_count(),
-            "temp": compiled.memory(exe)["temp"],
+            "temp": inspect.memory(exe)["temp"],
             "temp_predicted": pred.xla["temp"],
             "piece": offload_lib.piece_bytes(Spec.from_config(cfg)) if offload != "none" else 0.0,
             "moves": gpu_moves(setup) if offload != "none" else {}}
@@ -162,7 +163,7 @@ def main():
                             f"{ratio:.3f}", mv.get("in_loop_to_device", "-"),
                             mv.get("in_loop_to_host", "-"),
                             mv.get("whole_stacked_to_device", "-")])
-        tol = validate.TOLERANCE["temp"]
+        tol = validation.TOLERANCE["temp"]
         claims.check(f"{o}: planner temp / compiled temp", f"{ratio:.3f}", f"within {tol:.0%}",
                      abs(ratio - 1) <= tol)
         if o == "none":
@@ -193,7 +194,7 @@ def main():
 
     cfg = C.config(*C.DP8, "plan.precision=bf16", "plan.remat=offload", seq=SEQ, batch=BATCH)
     setup = build(cfg)
-    act = compiled.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
+    act = inspect.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
                                              setup.abstract_batch()) / 8
     m = cfg.model
     per_layer = BATCH // 8 * SEQ * (2 * m.n_heads * m.hd + 2 * m.n_kv_heads * m.hd

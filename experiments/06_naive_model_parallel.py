@@ -1,7 +1,7 @@
 """python experiments/06_naive_model_parallel.py [--out runs/exp06] [--steps 6]    # ~2 min
 
 Topic 06: naive model parallelism against GPipe. The tiny LLaMA (4 layers, batch 16 x 32) split
-over pp = 2 (x fsdp 4) and pp = 4 (x fsdp 2) by the pipeline engine (`jaxscale.train.pipeline`):
+over pp = 2 (x fsdp 4) and pp = 4 (x fsdp 2) by the pipeline engine (`jaxscale.strategies.pp.engine`):
 - naive, m = 1: the whole batch through stage 0, then stage 1, ..., then the backward back down:
   one device busy at a time (plain layer-split model parallelism);
 - naive, m = 4: the same, one micro-batch at a time (accumulation): still one device busy;
@@ -30,10 +30,11 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled, plan, planner  # noqa: E402
-from jaxscale import pipeline_schedules as ps  # noqa: E402
-from jaxscale.planner.validate import tiny_config  # noqa: E402
-from jaxscale.train import pipeline  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale import plan, planner
+from jaxscale.strategies.pp import schedules as ps  # noqa: E402
+from jaxscale.analysis.validation import tiny_config  # noqa: E402
+from jaxscale.strategies.pp import engine  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 B, T, L = 16, 32, 4
@@ -68,7 +69,7 @@ def run(overrides: tuple, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(float(metrics["loss"]))
     pred = planner.predict(cfg)
-    return {"cfg": cfg, "temp": compiled.memory(exe)["temp"], "temp_pred": pred.memory.xla["temp"],
+    return {"cfg": cfg, "temp": inspect.memory(exe)["temp"], "temp_pred": pred.memory.xla["temp"],
             "step_s": statistics.median(times[1:]), "loss0": losses[0], "losses": losses,
             "compile_s": compile_s}
 
@@ -84,11 +85,11 @@ def main():
         r = run((f"mesh.pp={p}", f"mesh.fsdp={8 // p}", f"plan.schedule={sched}",
                  f"plan.accumulate={m}"), args.steps)
         spec = plan.Spec.from_config(r.pop("cfg"))
-        prog = pipeline.program_for(spec)
+        prog = engine.program_for(spec)
         sim = ps.simulate(ps.make(sched, p, m))
         r.update(label=label, p=p, schedule=sched, m=m, util_sim=1 - sim.bubble,
                  util_formula=1 - ps.formula_bubble(sched, p, m),
-                 util_engine=1 - prog.branch_share()[pipeline.IDLE], ticks=prog.ticks,
+                 util_engine=1 - prog.branch_share()[engine.IDLE], ticks=prog.ticks,
                  res_slots=prog.slots["res"], in_flight=sim.in_flight[0])
         res.append(r)
     ref.pop("cfg")

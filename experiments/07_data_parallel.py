@@ -1,7 +1,7 @@
 """python experiments/07_data_parallel.py [--out runs/07_data_parallel] [--steps 30] [--no-torch]
 
 Topic 07: data parallelism. Two parts, in one run on the 8 simulated CPU devices:
-1. The census of the compiled jaxscale DP step (`jaxscale.compiled.report`) for dp = 2, 4, 8 on the
+1. The census of the compiled jaxscale DP step (`jaxscale.analysis.inspect.report`) for dp = 2, 4, 8 on the
    tiny LLaMA: the gradient all-reduce over `dp` carries exactly the gradient bytes (= fp32
    parameter bytes) whatever the degree, its ring wire bytes grow as 2(n-1)/n, no other
    collective appears, and the per-device memory keeps the whole model state (replicated) while
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 from jaxscale import models  # noqa: E402
 from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
                              apply_overrides)
-from jaxscale.compiled import report  # noqa: E402
+from jaxscale.analysis.inspect import report  # noqa: E402
 
 MiB = 2**20
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = None
     if not args.no_torch:
         from jaxscale.benchmarks.matched_training import format_collectives, format_table, run_pairs
-        from jaxscale.bench.torch_collectives import TorchFailure
+        from jaxscale.comm.torch_bench import TorchFailure
         try:
             pair = run_pairs(["dp"], cfg, args.world, args.steps, warmup=2, chunk=4,
                              log=lambda s: print(s, file=sys.stderr, flush=True))[0]

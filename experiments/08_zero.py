@@ -31,7 +31,7 @@ import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 
-from jaxscale import hlo, compiled  # noqa: E402
+from jaxscale.analysis import hlo, inspect  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 N = 8
@@ -74,11 +74,11 @@ def main():
             setup = build(cfg)
             exe, part = C.compile_partitioned(setup, os.path.join(tmp, str(z)))
             psi = cfg.model.param_count()
-            state = compiled.memory(exe)["argument"] - C.batch_bytes(cfg)
+            state = inspect.memory(exe)["argument"] - C.batch_bytes(cfg)
             grads = C.grad_bytes(setup)
             el = {k: v / psi for k, v in comm_elements(part).items()}
             res[z] = {"state": state, "grads": grads, "per_param": (state + grads) / psi,
-                      "comm": el, "census": compiled.census(exe.as_text(), setup.placement.mesh),
+                      "comm": el, "census": inspect.census(exe.as_text(), setup.placement.mesh),
                       "psi": psi}
     rows = []
     for z, r in res.items():

@@ -2,7 +2,7 @@
 
 Topic 09: fully sharded data parallelism, flat and hybrid. In one run on 8 simulated CPU devices:
 1. jaxscale FSDP (fsdp=8) against HSDP (mesh dp x fsdp = 2x4 and 4x2) and plain DP (dp=8), from
-   the compiled step (`jaxscale.compiled.report`): per-device model state and compiled memory,
+   the compiled step (`jaxscale.analysis.inspect.report`): per-device model state and compiled memory,
    and every collective with its mesh axes. HSDP shards the state over the `fsdp` group only
    (n/dp of FSDP's saving), and its parameter all-gathers stay inside the `fsdp` group; the
    gradients are reduced inside the group (reduce-scatter; XLA:CPU emits all-reduce + slice) and
@@ -31,7 +31,7 @@ import jax  # noqa: E402
 from jaxscale import models  # noqa: E402
 from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
                              apply_overrides)
-from jaxscale.compiled import report  # noqa: E402
+from jaxscale.analysis.inspect import report  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = []
     if not args.no_torch:
         from jaxscale.benchmarks.matched_training import format_collectives, format_table, run_pairs
-        from jaxscale.bench.torch_collectives import TorchFailure
+        from jaxscale.comm.torch_bench import TorchFailure
         try:
             pairs = run_pairs(["fsdp", "fsdp_keep", "hsdp"], cfg, 8, args.steps, warmup=2, chunk=2,
                               hsdp_dp=2, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -4,7 +4,7 @@ Topic 10: collectives. Three parts, all in one run:
 1. An nccl-tests-style sweep (1 KiB to 16 MiB on CPU) of all-reduce, all-gather, reduce-scatter,
    all-to-all, broadcast and permute, JAX shard_map collectives against a torch.distributed job
    (gloo on CPU) of the same 8 ranks, alternating per size; busbw table and JAX/torch ratios.
-2. The hand-written all-reduces of `jaxscale.collective_algorithms` (ring, recursive halving-doubling,
+2. The hand-written all-reduces of `jaxscale.comm.algorithms` (ring, recursive halving-doubling,
    recursive doubling, two-level hierarchical on 2 simulated nodes of 4 devices) against psum,
    beside the alpha-beta model calibrated on measured ring shifts.
 3. From the model: a two-level hierarchy against a flat ring when the inter-node link is slower,
@@ -20,8 +20,8 @@ import argparse
 import sys
 
 import _common  # noqa: F401  first: 8 simulated devices before jax is imported
-from jaxscale.bench import collectives as bench
-from jaxscale import collective_algorithms as C
+from jaxscale.comm import bench
+from jaxscale.comm import algorithms as C
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 INTRA = C.Link(alpha=5e-6, bandwidth=450e9)   # NVLink, per device

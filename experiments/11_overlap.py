@@ -8,10 +8,10 @@ four ways on the 8 simulated CPU devices:
 2. the same under `plan.xla_preset=latency_hiding` (on XLA:CPU only its concurrency-optimised
    scheduler acts; the `xla_gpu_*` options are accepted and ignored);
 3. `plan.tp_overlap=collective_matmul`: the block's matmuls as ring collective matmuls
-   (`jaxscale/collective_matmul.py`): t-1 collective-permutes of a sequence chunk per ring,
+   (`jaxscale/strategies/overlap/collective_matmul.py`): t-1 collective-permutes of a sequence chunk per ring,
    each beside a partial matmul;
 4. `plan.tp_overlap=collective_matmul_bidirectional`: half the hops each way round the ring.
-For each, from the *scheduled* HLO (`compiled.as_text()`, `jaxscale/schedule.py`): the
+For each, from the *scheduled* HLO (`compiled.as_text()`, `jaxscale/analysis/windows.py`): the
 census of the tp collectives (bytes per device per step by kind, beside the plan's formula),
 the fraction of their bytes that have matmul work scheduled in their window (asynchronous
 collectives: start..done; XLA:CPU's synchronous ones: last producer..first consumer) and that
@@ -33,7 +33,8 @@ CM.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled, plan, schedule  # noqa: E402
+from jaxscale.analysis import inspect, windows  # noqa: E402
+from jaxscale import plan
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import overlap  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -54,11 +55,11 @@ def measure(cfg) -> dict:
     with jax.set_mesh(mesh):
         comp = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
     text = comp.as_text()
-    census = compiled.census(text, mesh)
+    census = inspect.census(text, mesh)
     spec = plan.Spec.from_config(cfg, mesh.devices.size)
-    theory = compiled.theory_vs_census(plan.collectives(spec), census, "cpu")
-    ws = schedule.windows(text, mesh)
-    sched = schedule.summary(ws, axes=("tp",))
+    theory = inspect.theory_vs_census(plan.collectives(spec), census, "cpu")
+    ws = windows.windows(text, mesh)
+    sched = windows.summary(ws, axes=("tp",))
     batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
     batch = batches.device_batch(0, setup.batch_shardings())
     state = setup.init_state()
@@ -67,7 +68,7 @@ def measure(cfg) -> dict:
     tp_bytes = {k: sum(c["bytes"] for c in census if c["kind"] == k and c["axes"] == ["tp"])
                 for k in KINDS}
     return {"loss": float(loss), "grads": grads, "census": census, "theory": theory,
-            "tp_bytes": tp_bytes, "schedule": sched, "temp": compiled.memory(comp)["temp"],
+            "tp_bytes": tp_bytes, "schedule": sched, "temp": inspect.memory(comp)["temp"],
             "run": (comp, state, batch)}
 
 

@@ -1,7 +1,7 @@
 """python experiments/12_gradient_compression.py [--out runs/12_gradient_compression] [--steps 500]
 
 Topic 12: gradient compression on the data axis (8 simulated CPU devices, `dp` = 8). Every method
-of `jaxscale.compression` (fp32 all-reduce, bf16, fp8 and int8 with per-block scales, 1-bit sign,
+of `jaxscale.strategies.compression.methods` (fp32 all-reduce, bf16, fp8 and int8 with per-block scales, 1-bit sign,
 top-k, threshold, PowerSGD; error feedback where the method has it, top-k also without) trains
 1. a quadratic: min_w mean_d |w - t_d|^2, w [32, 32], each worker its own target t_d (its
    gradients differ from the others'), SGD; the loss is the excess |w - mean_d t_d|^2;
@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
-from jaxscale import compiled  # noqa: E402
-from jaxscale import compression as C  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale.strategies.compression import methods as C  # noqa: E402
 
 N = CM.DEVICES
 AX = ("dp",)
@@ -71,7 +71,7 @@ def train(mesh, method, params, ef, grad_fn, loss_fn, init, data, lr, steps):
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX), specs), out_specs=P()))
     comp = fn.lower(data, st).compile()
     losses = np.asarray(comp(data, st))
-    census = compiled.census(comp.as_text(), mesh)
+    census = inspect.census(comp.as_text(), mesh)
     per_step = sum(r["wire_bytes"] for r in census) / steps
     return losses, per_step
 

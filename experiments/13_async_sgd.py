@@ -1,7 +1,7 @@
 """python experiments/13_async_sgd.py [--out runs/exp13]
 
 Topic 13: asynchronous training, where stale gradients help and where they break it
-(`jaxscale/async_sgd.py`, plain NumPy, a few seconds).
+(`jaxscale/comm/async_sgd.py`, plain NumPy, a few seconds).
 
 Part 1, a fixed delay. Gradient descent on a quadratic (curvatures 0.1..1) with every gradient
 k steps stale. The largest step size that still converges, found by bisection, against the
@@ -21,7 +21,7 @@ import numpy as np
 
 import _common as C
 
-from jaxscale import async_sgd as A
+from jaxscale.comm import async_sgd as A
 
 DELAYS = (0, 1, 2, 4, 8, 16)
 WORKERS = (1, 4, 8, 16, 32)

@@ -4,7 +4,7 @@
 Topic 14: local SGD over the data axis, and how often the replicas must talk. The tiny LLaMA
 (2 layers, dim 128, byte vocabulary 320) on the stdlib corpus, 8 replicas (`mesh.dp=8`), each
 with its own rows of a 32 x 64 batch and its own AdamW, trained by the framework's train step
-(`plan.local_sgd`, `jaxscale/strategies/local_sgd.py`) for --steps steps:
+(`plan.local_sgd`, `jaxscale/strategies/local_sgd/__init__.py`) for --steps steps:
 
   DP                 synchronous data parallelism (a gradient all-reduce every step)
   local H            the replicas averaged every H steps (H = 1, 4, 16)
@@ -32,8 +32,9 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled, plan  # noqa: E402
-from jaxscale import local_sgd as L  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale import plan
+from jaxscale.strategies.local_sgd import averaging as L  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import local_sgd  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -57,8 +58,8 @@ def train(cfg, train_b, held_b, steps, also=()):
     s = build(cfg)
     spec = s.placement.spec
     step = s.lower_train_step().compile()
-    census = compiled.census(step.as_text(), s.placement.mesh, plan.branch_share(spec))
-    theory = compiled.theory_vs_census(plan.collectives(spec), census)
+    census = inspect.census(step.as_text(), s.placement.mesh, plan.branch_share(spec))
+    theory = inspect.theory_vs_census(plan.collectives(spec), census)
     sh = s.batch_shardings()
     state, losses, held = s.init_state(), [], []
     with jax.set_mesh(s.placement.mesh):

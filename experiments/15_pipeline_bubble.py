@@ -3,7 +3,7 @@
                                         [--temp-figure docs/img/exp15_temp_vs_m.png]
                                         [--no-compile]        # ~2.5 min on 2 cores; 1 s without
 
-Topic 15: pipeline bubbles. Every schedule of `jaxscale.pipeline_schedules` (naive, GPipe, 1F1B,
+Topic 15: pipeline bubbles. Every schedule of `jaxscale.strategies.pp.schedules` (naive, GPipe, 1F1B,
 interleaved 1F1B with v virtual stages, ZB-H1) built for p devices and m micro-batches and run by
 its discrete-event simulator, T_F = 1 and a whole backward of 2 (ZB-H1: B = W = 1, the paper's
 T_F = T_B = T_W), stages of equal cost. Prints simulated bubble against the closed form, the
@@ -14,7 +14,7 @@ takes about a second.
 
 The compiled side (skipped with --no-compile): the train step of the tiny LLaMA (4 layers, seq
 64, micro-batches of 4 rows) on pp = 2 x fsdp = 4, run by the pipeline engine
-(`jaxscale.train.pipeline`), for gpipe, 1f1b, interleaved (v = 2) and zb-h1 at m = 2, 4, 8
+(`jaxscale.strategies.pp.engine`), for gpipe, 1f1b, interleaved (v = 2) and zb-h1 at m = 2, 4, 8
 (batch 4 m; p = 2, so every m >= p). Per plan: the engine's ticks and residual slots, the
 compiled temp memory per device (`memory_analysis`) against the planner's prediction, the
 compiled collective-permutes over pp (count, bytes: the census) against `strategies.pp.
@@ -30,7 +30,7 @@ import os
 import sys
 import time
 
-from jaxscale import pipeline_schedules as ps
+from jaxscale.strategies.pp import schedules as ps
 
 COMM = 0.1
 MS = (2, 4, 8)
@@ -67,10 +67,11 @@ def compiled_rows() -> list[dict]:
     """Compile each (schedule, m) plan on pp=2 x fsdp=4 once; memory and pp census vs theory."""
     import _common  # noqa: F401  (8 simulated devices, before jax is imported)
     _common.cpu_only()
-    from jaxscale import compiled, plan, planner
-    from jaxscale.planner.validate import tiny_config
+    from jaxscale.analysis import inspect
+    from jaxscale import plan, planner
+    from jaxscale.analysis.validation import tiny_config
     from jaxscale.strategies import pp
-    from jaxscale.train.pipeline import program_for
+    from jaxscale.strategies.pp.engine import program_for
     out = []
     for name in COMPILED:
         v = 2 if name == "interleaved" else 1
@@ -78,7 +79,7 @@ def compiled_rows() -> list[dict]:
             cfg = tiny_config(*BASE, f"plan.schedule={name}", f"plan.virtual_stages={v}",
                               f"plan.accumulate={m}", f"data.batch_size={4 * m}")
             t0 = time.perf_counter()
-            rep = compiled.report(cfg)
+            rep = inspect.report(cfg)
             secs = time.perf_counter() - t0
             spec, pred = plan.Spec.from_config(cfg), planner.predict(cfg)
             prog = program_for(spec)
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
           "(census vs strategies.pp.collectives); matmul FLOPs vs the planner; bubble "
           "simulated vs formula")
     print(compiled_table(cs))
-    from jaxscale.planner.validate import TOLERANCE
+    from jaxscale.analysis.validation import TOLERANCE
     ok = [abs(r["temp_pred"] / r["temp"] - 1) <= TOLERANCE["temp"] and r["permutes"] == r["permutes_theory"]
           and r["permute_bytes"] == r["permute_bytes_theory"]
           and abs(r["flops_pred"] / r["flops"] - 1) <= 0.01

@@ -23,7 +23,7 @@ import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 
-from jaxscale import compiled  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 
 TPS = (1, 2, 4, 8)
 MODEL = ("model.n_kv_heads=8",)
@@ -42,7 +42,7 @@ def main():
     claims = C.Claims()
     res = []
     for t, sp, cfg in plans():
-        rep = compiled.report(cfg)
+        rep = inspect.report(cfg)
         tp_rows = [r for r in rep["theory"] if r["axes"] == ["tp"]]
         res.append({"tp": t, "sp": sp, "state": rep["memory"]["argument"] - C.batch_bytes(cfg),
                     "theory": sum(r["theory_bytes"] for r in tp_rows),

@@ -29,7 +29,8 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled, planner  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale import planner
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
@@ -54,7 +55,7 @@ def longest(method: str, sp: int, budget: float) -> dict:
 
     def total(T):
         if T not in seen:
-            seen[T] = compiled.report(cfg_for(method, sp, T))["memory"]["total"]
+            seen[T] = inspect.report(cfg_for(method, sp, T))["memory"]["total"]
         return seen[T]
     i = LENGTHS.index(guess)
     while i > 0 and total(LENGTHS[i]) > budget:
@@ -71,7 +72,7 @@ def longest(method: str, sp: int, budget: float) -> dict:
 
 def census(method: str) -> dict:
     cfg = cfg_for(method, 4, 256)
-    rep = compiled.report(cfg)
+    rep = inspect.report(cfg)
     rows = [r for r in rep["theory"] if "sp" in r["axes"] and r["kind"] != "all-reduce"]
     return {"method": method, "rows": rows}
 

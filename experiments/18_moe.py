@@ -28,7 +28,7 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import compiled  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
@@ -89,7 +89,7 @@ def dropped_vs_capacity(model_cfg, params, tokens) -> list[float]:
 def census(ep: int) -> dict:
     cfg = cfg_for("mesh.dp=1", f"mesh.fsdp={8 // ep}", "mesh.tp=1", f"mesh.ep={ep}",
                   "model.capacity_factor=1.0")
-    rep = compiled.report(cfg)
+    rep = inspect.report(cfg)
     row = [c for c in rep["collectives"] if c["kind"] == "all-to-all"][0]
     tokens = BATCH * SEQ / 8                           # per device: batch over fsdp x ep
     n = 4 * cfg.model.n_layers

@@ -21,7 +21,7 @@ selective or full recompute, and Llama 3 405B on its published mesh fits with fu
 Part 2 (compiled, ~1 min): 2 x 2 x 2 layouts this machine runs, compiled, with the planner's
 per-device memory, per-axis communication and FLOPs beside the compiled step's: dp2 x fsdp2 x tp2
 (tiny LLaMA, 2 layers), and real 3D plans with pipeline stages (4 layers, the pipeline engine of
-`jaxscale.train.pipeline`): pp2 x fsdp2 x tp2 with 1F1B (m = 4) and with interleaved 1F1B
+`jaxscale.strategies.pp.engine`): pp2 x fsdp2 x tp2 with 1F1B (m = 4) and with interleaved 1F1B
 (v = 2, m = 4), dp2 x pp2 x tp2 with 1F1B (m = 2), ZeRO-1 and bf16. Each pipelined plan also
 runs its first train step from the same initial values as the unpipelined model (fsdp = 8, same
 precision): the losses must agree (fp32 1e-5, bf16 1e-2).
@@ -121,16 +121,16 @@ def compiled_plans():
 
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    from jaxscale import compiled
-    from jaxscale.planner import validate
-    from jaxscale.planner.validate import tiny_config
+    from jaxscale.analysis import inspect
+    from jaxscale.analysis import validation
+    from jaxscale.analysis.validation import tiny_config
     from jaxscale.strategies.pp import bubble_fraction
     out, refs = {}, {}
     for name, (overrides, ref) in COMPILED.items():
         t0 = time.perf_counter()
         cfg = tiny_config(*overrides)
         pred = planner.predict(cfg)
-        cmp = validate.compare(pred, compiled.report(cfg))
+        cmp = validation.compare(pred, inspect.report(cfg))
         cmp["name"] = name
         cmp["bubble"] = bubble_fraction(pred.spec)
         if ref is not None:
@@ -179,7 +179,7 @@ def main() -> int:
           f"gradients per layer where a fused QKV / gate-up block reduces 2)")
 
     if not args.no_compile:
-        from jaxscale.planner.validate import format_comparison
+        from jaxscale.analysis.validation import format_comparison
         cmps = compiled_plans()
         print("\nPart 2: 2 x 2 x 2 plans on this machine, predicted vs compiled "
               "(bytes per device; ratio predicted / compiled)")

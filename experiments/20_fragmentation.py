@@ -10,7 +10,7 @@ shape of every instruction outside fusion bodies, less those that allocate nothi
 constants, tuples, get-tuple-element, bitcasts, control flow): once per instruction, and times
 the trip count of the loop it sits in (what allocating every value fresh would touch).
 
-Part 2, a caching allocator (`jaxscale/allocator_sim.py`, modelled on PyTorch's: 512-byte
+Part 2, a caching allocator (`jaxscale/analysis/allocator.py`, modelled on PyTorch's: 512-byte
 rounding, small/large pools, best fit, block splitting, coalescing on free, segments cached)
 replays three allocation patterns: uniform random sizes, per-step tensors that follow a growing
 sequence length, and transformer training steps with varying sequence length. For segment
@@ -26,8 +26,8 @@ import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 
-from jaxscale import allocator_sim as sim  # noqa: E402
-from jaxscale import hlo, compiled  # noqa: E402
+from jaxscale.analysis import allocator as sim  # noqa: E402
+from jaxscale.analysis import hlo, inspect  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 NO_BUFFER = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "while",
@@ -59,7 +59,7 @@ def main():
     for name, over in CONFIGS.items():
         exe = build(C.config(*C.DP8, *over, seq=128, batch=16)).lower_train_step().compile()
         once, trips = buffer_sums(exe.as_text())
-        xla[name] = {"temp": compiled.memory(exe)["temp"], "once": once, "trips": trips}
+        xla[name] = {"temp": inspect.memory(exe)["temp"], "once": once, "trips": trips}
         claims.check(f"{name}: temp / sum of instruction buffers", xla[name]["temp"] / once,
                      "< 0.5", xla[name]["temp"] < 0.5 * once)
     print(C.table(["train step", "sum of buffers MiB", "x loop trips MiB", "compiled temp MiB",

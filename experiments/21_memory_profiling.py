@@ -1,6 +1,6 @@
 """python experiments/21_memory_profiling.py [--out runs/exp21] [--steps 8]
 
-Topic 21: memory monitoring and profiling. `jaxscale.profiling.profile` (what `jaxscale profile`
+Topic 21: memory monitoring and profiling. `jaxscale.analysis.profiling.profile` (what `jaxscale profile`
 runs) trains the tiny model (2 layers, dp=8, batch 8 x 32) for `--steps` steps twice:
 
 - clean: the train loop as it should be (the donated state is replaced every step);
@@ -22,7 +22,7 @@ from pathlib import Path
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 import numpy as np  # noqa: E402
 
-from jaxscale.profiling import format_table, profile  # noqa: E402
+from jaxscale.analysis.profiling import format_table, profile  # noqa: E402
 
 
 def main():

@@ -4,7 +4,7 @@ Topic 22: buffer donation (`plan.donate`). A train step maps the state to a new 
 shapes; donating the input state (`jax.jit(..., donate_argnums=0)`) lets XLA write the new state
 into the old buffers instead of allocating a second copy for its outputs.
 
-1. For a few plans, `jaxscale.compiled.donation_report` compiles the step both ways. Donated, the
+1. For a few plans, `jaxscale.analysis.inspect.donation_report` compiles the step both ways. Donated, the
    compiled program aliases every output buffer to an input (alias bytes = one train state on
    the device: parameters, fp32 master, Adam moments, counters, from `state_bytes`); not donated,
    it allocates a whole second state for its outputs. The per-device peak (`memory_analysis`:
@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from jaxscale.data import Batches, load_corpus  # noqa: E402
-from jaxscale.compiled import donation_report, memory  # noqa: E402
+from jaxscale.analysis.inspect import donation_report, memory  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
 

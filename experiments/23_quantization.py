@@ -1,7 +1,7 @@
 """python experiments/23_quantization.py [--out runs/exp23]
                                          [--figure docs/img/exp23_compression.png]
 
-Topic 23: compression of a trained model with `jaxscale.quantize`: quantisation, pruning,
+Topic 23: compression of a trained model with `jaxscale.strategies.qat.ptq`: quantisation, pruning,
 distillation. Tiny LLaMA (4 layers, dim 128, byte vocabulary 320), trained for TEACHER_STEPS
 steps by the framework's own train step (`build(cfg).train_step`, dp=8, AdamW) on the stdlib
 corpus; every loss below is the token-mean cross entropy on the same held-out batches.
@@ -18,7 +18,7 @@ corpus; every loss below is the token-mean cross entropy on the same held-out ba
 3. Distillation: a 2-layer student trained KD_STEPS steps from the same initialisation with
    plain cross entropy and with alpha CE + (1 - alpha) T^2 KL(teacher || student) at T = 1 and
    T = 2, equal steps, batches and learning rate; its held-out CE and KL to the teacher (T = 1).
-4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/quant.py): the
+4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/qat.py): the
    teacher's run again for QAT_STEPS steps with plan.qat=int8 and plan.qat=fp8 (delayed
    scaling, 16-step amax history), same initialisation, batches and schedule as the fp32 run
    (whose first QAT_STEPS losses are the teacher's): loss curves, held-out loss through each
@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jaxscale import quantize as Q  # noqa: E402
+from jaxscale.strategies.qat import ptq as Q  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import FunctionalModel  # noqa: E402
@@ -58,7 +58,7 @@ def train_run(cfg, train, steps, keep=None, initial=None):
     setup, lowered, step (compiled), params (final, on the host), curve (losses), initial (the
     state before the first step, on the host), kept (the parameters after `keep` steps).
     `initial`: start from this host state (another plan's: same parameters and moments)."""
-    from jaxscale.strategies import quant
+    from jaxscale.strategies import qat
     s = build(cfg)
     lowered = s.lower_train_step()
     step = lowered.compile()
@@ -66,7 +66,7 @@ def train_run(cfg, train, steps, keep=None, initial=None):
         state = s.init_state()
         initial = jax.device_get(state)
     else:                   # the same start; a fresh fp8 amax history when the plan has one
-        fresh = quant.init_state(s.placement.spec)
+        fresh = qat.init_state(s.placement.spec)
         state = jax.device_put(dataclasses.replace(initial, quant=fresh), s.state_shardings)
     losses, kept = [], None
     for i in range(steps):
@@ -138,7 +138,7 @@ def distill(step_opt, s_params, train, alpha=1.0, temperature=1.0):
 
 def dot_dtypes(text: str) -> dict:
     """'lhs x rhs -> out' dtypes of every dot of an HLO module, times its loop trip counts."""
-    from jaxscale import hlo
+    from jaxscale.analysis import hlo
     mod, out = hlo.Module(text), {}
     for ins in mod.instrs:
         if ins.opcode == "dot":
@@ -151,7 +151,7 @@ def dot_dtypes(text: str) -> dict:
 def qat_training(cfg, train, held, teacher, fp32_held, claims, t0):
     """Section 4: the teacher's run with plan.qat=int8 and plan.qat=fp8 (see the docstring)."""
     from jaxscale.plan import Spec
-    from jaxscale.strategies import quant
+    from jaxscale.strategies import qat
     runs = {"fp32": {"curve": teacher["curve"][:QAT_STEPS], "held": fp32_held,
                      "memory": teacher["step"].memory_analysis()}}
     L = cfg.model.n_layers
@@ -165,7 +165,7 @@ def qat_training(cfg, train, held, teacher, fp32_held, claims, t0):
         runs[method] = {"curve": r["curve"], "held": float(total / n),
                         "memory": step.memory_analysis(),
                         "dots": compiled_dots, "program_dots": program_dots,
-                        "terms": {t.what: t.bytes for t in quant.memory(Spec.from_config(qcfg, 8))}}
+                        "terms": {t.what: t.bytes for t in qat.memory(Spec.from_config(qcfg, 8))}}
     tail = {k: sum(r["curve"][-10:]) / 10 for k, r in runs.items()}
     print(f"\n[{time.time() - t0:.0f} s]")
     print(C.table(["plan", "loss step 1", f"step {QAT_STEPS // 2}", "mean of last 10",

@@ -78,7 +78,7 @@ def llama_step_memory(impl: str, T: int, B: int = 1) -> dict:
 
 def cpu_speed(impl: str, T: int, causal: bool, H=8, D=64, reps=3) -> float:
     """Fastest of `reps` forward+backward runs, seconds."""
-    from jaxscale.attention import attention
+    from jaxscale.hooks.attention import attention
     q = jax.random.normal(jax.random.PRNGKey(0), (1, T, H, D), jnp.float32)
     f = jax.jit(jax.grad(lambda q, k, v: attention(q, k, v, causal=causal,
                                                    implementation=impl).sum(), argnums=(0, 1, 2)))

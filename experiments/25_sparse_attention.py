@@ -221,8 +221,8 @@ def _zeros(s, params) -> float:
 
 
 def _census(s, exe):
-    from jaxscale import compiled
-    return compiled.census(exe.as_text(), s.placement.mesh)
+    from jaxscale.analysis import inspect
+    return inspect.census(exe.as_text(), s.placement.mesh)
 
 
 def _save_teacher(s, state, out) -> str:
@@ -230,7 +230,7 @@ def _save_teacher(s, state, out) -> str:
     import shutil
     from pathlib import Path
 
-    from jaxscale import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint as ckpt_lib
     from jaxscale import config as config_lib
     d = Path(out) / "teacher"
     shutil.rmtree(d, ignore_errors=True)

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 
 from jaxscale import models  # noqa: E402
 from jaxscale.benchmarks.matched_training import format_collectives, format_table, run_pairs  # noqa: E402
-from jaxscale.bench.torch_collectives import TorchFailure  # noqa: E402
+from jaxscale.comm.torch_bench import TorchFailure  # noqa: E402
 from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig  # noqa: E402
 
 MiB = 2**20

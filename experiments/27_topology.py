@@ -1,6 +1,6 @@
 """python experiments/27_topology.py [--out runs/exp27] [--nodes 16] [--gpus 8]
 
-Topic 27: multi-node networks, and which all-reduce each favours (`jaxscale/topology.py`, a
+Topic 27: multi-node networks, and which all-reduce each favours (`jaxscale/comm/topology.py`, a
 model, no devices; about a second).
 
 A cluster of nodes x 8 H100 (NVLink 370 GB/s per GPU inside, one 400 Gb/s NIC per GPU outside)
@@ -23,7 +23,7 @@ import numpy as np
 
 import _common as C
 
-from jaxscale import topology as T
+from jaxscale.comm import topology as T
 
 SIZES = [2 ** k for k in range(16, 33, 2)]          # 64 KiB .. 4 GiB
 

@@ -8,7 +8,7 @@ Run (CPU, about two minutes):
 Part 1 builds whole train states (parameters + AdamW moments + step, random values, sharded
 dp2 x fsdp2 x tp2 over 8 simulated devices) of LLaMA-shaped models from ~1M to ~30M parameters
 and saves each with an Orbax CheckpointManager, synchronous and asynchronous
-(`jaxscale.checkpoint.Checkpointer`). "blocking" is how long the training loop waits in `save()`;
+(`jaxscale.train.checkpoint.Checkpointer`). "blocking" is how long the training loop waits in `save()`;
 "commit" is the time until the checkpoint is finalized on disk. Async blocking is the device ->
 host copy of the state only (here host memory to host memory; on a GPU, PCIe-bound); the write
 runs on a background thread while training continues. One warm-up save per mode is not timed.
@@ -42,7 +42,7 @@ cpu_only()      # part 2's training subprocesses inherit JAX_PLATFORMS
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import checkpoint as ckpt_lib  # noqa: E402
+from jaxscale.train import checkpoint as ckpt_lib  # noqa: E402
 from jaxscale import config as config_lib  # noqa: E402
 from jaxscale.train import setup as setup_lib  # noqa: E402
 

@@ -32,12 +32,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import compiled, planner  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale import planner
 from jaxscale.planner import report, search  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
 from jaxscale.axes import MESH_AXES  # noqa: E402
 from jaxscale.plan import OPTIONS, Spec, unavailable  # noqa: E402
-from jaxscale.planner.validate import tiny_config  # noqa: E402
+from jaxscale.analysis.validation import tiny_config  # noqa: E402
 
 BASE = ("model.n_layers=4", "data.seq_len=64", "data.batch_size=16")
 
@@ -57,7 +58,7 @@ def to_overrides(spec: Spec) -> list[str]:
 
 def compile_plan(spec: Spec) -> dict:
     cfg = tiny_config(*BASE, *to_overrides(spec))
-    rep = compiled.report(cfg)
+    rep = inspect.report(cfg)
     return {"memory": rep["memory"]["total"], "flops": rep["flops"]["dot_flops"],
             "wire": sum(c["wire_bytes"] for c in rep["collectives"])}
 

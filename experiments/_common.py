@@ -148,7 +148,7 @@ def grad_bytes(setup) -> int:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxscale import compiled
+    from jaxscale.analysis import inspect
     from jaxscale.axes import use_rules
     from jaxscale.train.step import token_loss
     specs = setup.layout.specs.grads
@@ -165,7 +165,7 @@ def grad_bytes(setup) -> int:
     with jax.set_mesh(setup.placement.mesh):
         c = jax.jit(grads, out_shardings=out_sh).lower(setup.abstract_state().params,
                                                        setup.abstract_batch()).compile()
-    return compiled.memory(c)["output"]
+    return inspect.memory(c)["output"]
 
 
 def batch_bytes(cfg, n_devices: int = 8) -> int:

@@ -50,7 +50,7 @@ from pathlib import Path
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxscale.attention import attention  # noqa: E402
+from jaxscale.hooks.attention import attention  # noqa: E402
 from jaxscale.kernels import flash_attention as fa  # noqa: E402
 
 IMPLS = ("pallas", "cudnn", "xla")

@@ -5,13 +5,13 @@
     python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
     python experiments/planner_validation.py --live-set      # also XLA:CPU's heap packing
 
-Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `jaxscale.planner.validate`
+Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `jaxscale.analysis.validation`
 `tiny_config`) or the small one on the 8 simulated CPU devices, and compares, per device:
 argument+output bytes (tolerance 5%), temp bytes (20%), every (collective kind, mesh axes) of the
 census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and the LM head's optional
-backward all-gather are handled by `jaxscale.planner.validate`, and each row says so), and
+backward all-gather are handled by `jaxscale.analysis.validation`, and each row says so), and
 matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
-`jaxscale.planner.validate.CASES`.
+`jaxscale.analysis.validation.CASES`.
 
 With --live-set XLA dumps each train step's buffer assignment and live ranges, and each row adds
 the live-set peak (the most bytes of temporaries alive at once in the schedule) and XLA's packing
@@ -44,9 +44,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import compiled, planner  # noqa: E402
-from jaxscale.planner import validate  # noqa: E402
-from jaxscale.planner.validate import CASES, tiny_config  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale import planner
+from jaxscale.analysis import validation  # noqa: E402
+from jaxscale.analysis.validation import CASES, tiny_config  # noqa: E402
 
 def live_peak(prefix: str) -> int:
     """The most bytes of temporaries alive at once: the values of XLA's preallocated temp buffer
@@ -69,8 +70,8 @@ def live_peak(prefix: str) -> int:
 def run(name: str) -> dict:
     cfg = tiny_config(*CASES[name])
     t0 = time.perf_counter()
-    rep = compiled.report(cfg)
-    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    rep = inspect.report(cfg)
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
     cmp["case"], cmp["compile_s"] = name, time.perf_counter() - t0
     if DUMP:       # this step's dump: the newest module; then clear the folder for the next
         names = sorted(glob.glob(os.path.join(DUMP, "*train_step*-buffer-assignment.txt")))
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     for name in names:
         r = run(name)
         results.append(r)
-        print(validate.format_comparison(r) if args.verbose or not r["ok"] else
+        print(validation.format_comparison(r) if args.verbose or not r["ok"] else
               f"{name}: ok ({r['compile_s']:.1f} s)", flush=True)
     table = markdown(results) + "\n\n" + summary(results)
     print("\n" + table)

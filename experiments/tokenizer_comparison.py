@@ -2,9 +2,9 @@
 
 Bytes vs a trained BPE (`--vocab`, default 2048) on the same text: this Python's standard-library
 sources, no download.
-1. `jaxscale.tokenizer.train_bpe` trains a byte-level BPE of `--vocab` tokens on the training
+1. `jaxscale.data.tokenizer.train_bpe` trains a byte-level BPE of `--vocab` tokens on the training
    files only (the held-out files, chosen by a hash of their names as in `jaxscale.data`, are
-   never seen by the tokenizer), with Hugging Face `tokenizers`; `jaxscale.shards.prepare` writes
+   never seen by the tokenizer), with Hugging Face `tokenizers`; `jaxscale.data.shards.prepare` writes
    both tokenizations to shards (the `jaxscale data prepare` path): bytes per token, seconds.
 2. The tiny LLaMA (2 layers, dim 128; vocabulary 320 for bytes, --vocab for the BPE) trains for
    `--steps` steps of 16 x 128 tokens on dp=8 with each tokenizer (the default in-memory windows,
@@ -29,9 +29,9 @@ import _common as C  # first: it sets up the 8 simulated devices before jax is i
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import shards, tokenizer  # noqa: E402
+from jaxscale.data import shards, tokenizer  # noqa: E402
 from jaxscale.data import corpus_files, make_batches  # noqa: E402
-from jaxscale.documents import is_heldout  # noqa: E402
+from jaxscale.data.documents import is_heldout  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 SEQ, BATCH, EVAL_BATCHES, MAX_BYTES = 128, 16, 8, 4_000_000

@@ -38,7 +38,7 @@ class Rules:
     owner: dict[str, str] = field(default_factory=dict)
     #: how attention runs over a sequence split across devices (`plan.context`, set by sp)
     context: str | None = None
-    #: how the model's weight matmuls run (`jaxscale.projection.IMPLEMENTATIONS`), set by the
+    #: how the model's weight matmuls run (`jaxscale.hooks.projection.IMPLEMENTATIONS`), set by the
     #: strategy that replaces them (overlapped tensor parallelism, quantisation-aware training)
     projection: str | None = None
 

@@ -79,14 +79,14 @@ def cmd_launch(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from jaxscale import compiled
-    rep = compiled.report(_load(args))
-    print(json.dumps(rep, indent=2) if args.json else compiled.format_report(rep))
+    from jaxscale.analysis import inspect
+    rep = inspect.report(_load(args))
+    print(json.dumps(rep, indent=2) if args.json else inspect.format_report(rep))
     return 0
 
 
 def cmd_profile(args) -> int:
-    from jaxscale import profiling
+    from jaxscale.analysis import profiling
     cfg = _load(args, out=lambda c: args.out or f"runs/{c.name}_profile", data=True)
     res = profiling.profile(cfg, steps=args.steps, out=args.out)
     print(profiling.format_table(res))
@@ -96,8 +96,8 @@ def cmd_profile(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "collectives":
-        from jaxscale.bench import collectives
-        return collectives.main(args.rest)
+        from jaxscale.comm import bench
+        return bench.main(args.rest)
     raise ValueError(f"unknown benchmark {args.what!r}; valid: collectives")
 
 
@@ -115,7 +115,8 @@ def _human(n: float) -> str:
 def cmd_tokenizer(args) -> int:
     """`jaxscale tokenizer train`: a byte-level BPE on local text, saved as tokenizer.json."""
     import time
-    from jaxscale import data, documents, fields, tokenizer
+    from jaxscale import data, fields
+    from jaxscale.data import documents, tokenizer
     fields.raise_problems(data.source_problems(args.source) + [
         e for e in [fields.dir_problem(args.out, "--out")] if e])
     files = data.corpus_files(args.source)
@@ -141,7 +142,8 @@ def cmd_tokenizer(args) -> int:
 
 def cmd_data(args) -> int:
     """`jaxscale data prepare`: tokenize the configured source once into shards + manifest."""
-    from jaxscale import data, documents, fields, shards, tokenizer
+    from jaxscale import data, fields
+    from jaxscale.data import documents, shards, tokenizer
     cfg = _load(args)
     out = args.out or cfg.data.shards
     errs = [] if out else ["give --out DIR or --set data.shards=DIR (where the shards go)"]
@@ -182,7 +184,7 @@ def cmd_experiments(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxscale.planner.cli import run
+    from jaxscale.planner.command import run
     return run(args)
 
 
@@ -208,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     common(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_inspect)
-    from jaxscale.planner.cli import add_arguments as plan_arguments
+    from jaxscale.planner.command import add_arguments as plan_arguments
     pl = sub.add_parser("plan", help="predict per-device memory, communication and step time "
                         "of a plan without compiling; --search ranks every plan that fits")
     plan_arguments(pl)

@@ -17,7 +17,7 @@ from pathlib import Path
 from jaxscale import fields
 from jaxscale import meshes
 from jaxscale import models
-from jaxscale.documents import FORMATS
+from jaxscale.data.documents import FORMATS
 from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
@@ -25,7 +25,7 @@ from jaxscale.strategies.compression import METHODS as COMPRESSIONS
 from jaxscale.strategies.local_sgd import METHODS as LOCAL_SGD
 from jaxscale.strategies.pp import SCHEDULES
 from jaxscale.strategies.precision import PRECISIONS
-from jaxscale.strategies.quant import METHODS as QAT_METHODS
+from jaxscale.strategies.qat import METHODS as QAT_METHODS
 from jaxscale.strategies.sp import CONTEXTS
 from jaxscale.strategies.overlap import MODES as TP_OVERLAPS, XLA_PRESETS
 
@@ -42,7 +42,7 @@ class DataConfig:
     max_bytes: int = positive(16_000_000)   # cap on corpus bytes read (in-memory path)
     seed: int = nonneg(0)
     tokenizer: str = "bytes"          # "bytes" | tokenizer.json | SentencePiece .model |
-                                      # .tiktoken | Hugging Face directory (jaxscale.tokenizer)
+                                      # .tiktoken | Hugging Face directory (jaxscale.data.tokenizer)
     format: str = one_of("auto", *FORMATS)   # how files hold documents: auto (by suffix) |
                                       # text (a file each) | jsonl (a line each) | parquet (a row)
     text_field: str = "text"          # the jsonl field / parquet column holding the text

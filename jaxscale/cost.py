@@ -1,7 +1,7 @@
 """The one vocabulary of collective costs: kinds, bus-bandwidth factors, ring steps, alpha-beta.
 
 Every place that turns bytes into wire bytes or seconds reads this module: the census of the
-compiled program (`jaxscale.compiled`), the planner's step-time model, the hand-written collective
+compiled program (`jaxscale.analysis.inspect`), the planner's step-time model, the hand-written collective
 algorithms and the nccl-tests-style benchmark.
 
 - `busbw_factor(kind, n)`: wire bytes per device over the message size for a bandwidth-optimal

@@ -32,11 +32,11 @@ from jaxscale.fields import raise_problems
 from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, local_sgd, offload, pp,
                                  precision, prune, remat, sp, sparse_embedding, tp, zero)
 from jaxscale.strategies import overlap
-from jaxscale.strategies import quant
+from jaxscale.strategies import qat
 
 #: every strategy, in the order their problems, rules, collectives and memory terms compose
 STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
-              compression, sparse_embedding, prune, local_sgd, quant)
+              compression, sparse_embedding, prune, local_sgd, qat)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
            "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
@@ -172,15 +172,15 @@ class Spec:
 
     @property
     def attention(self) -> str:
-        """The attention implementation the model resolves to (`jaxscale.attention.resolve`):
+        """The attention implementation the model resolves to (`jaxscale.hooks.attention.resolve`):
         `auto` is a fused kernel on GPUs, and on CPU `xla` up to
-        `jaxscale.attention.AUTO_XLA_MAX_SCORES` scores per (batch, head), `blockwise` beyond."""
+        `jaxscale.hooks.attention.AUTO_XLA_MAX_SCORES` scores per (batch, head), `blockwise` beyond."""
         impl = self.model.attention
         if impl != "auto":
             return impl
         if self.device_kind != "cpu":
             return "cudnn"
-        from jaxscale.attention import AUTO_XLA_MAX_SCORES
+        from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES
         return "xla" if self.seq * self.seq <= AUTO_XLA_MAX_SCORES else "blockwise"
 
     @property

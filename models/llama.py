@@ -6,7 +6,7 @@ through `"norm_seq"`, the axis sequence parallelism splits), and the activations
 remat/offload policies talk about are tagged with `checkpoint_name` (see `TAGS`). No mesh axis and
 no strategy flag appears here; a strategy reaches the layers only through `block_wrapper`, a
 function applied to each block's pure `(x, block_state) -> x` function (e.g. `jax.checkpoint`),
-and through `jaxscale.projection` (the weight matmuls, and per-layer inputs the layer loop
+and through `jaxscale.hooks.projection` (the weight matmuls, and per-layer inputs the layer loop
 carries for them beside the stacked weights: fp8 QAT's scales).
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.attention import IMPLEMENTATIONS, attention
+from jaxscale.hooks.attention import IMPLEMENTATIONS, attention
 from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
-from jaxscale.projection import project, scanned_inputs, with_layer_input
+from jaxscale.hooks.projection import project, scanned_inputs, with_layer_input
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -67,7 +67,7 @@ class ModelConfig:
     scan_layers: bool = True
     dtype: str = one_of("float32", *DTYPES)          # compute dtype
     param_dtype: str = one_of("float32", *DTYPES)
-    attention: str = one_of("auto", "auto", *IMPLEMENTATIONS)   # jaxscale.attention
+    attention: str = one_of("auto", "auto", *IMPLEMENTATIONS)   # jaxscale.hooks.attention
     init_std: float = nonneg(0.02)
     moe_experts: int = nonneg(0)      # 0: dense MLP; E: a Mixtral-style mixture of E experts
     moe_top_k: int = positive(2)      # experts per token

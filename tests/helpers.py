@@ -1,7 +1,7 @@
 """Shared test builders: small configs on the simulated 8-device CPU."""
 import os
 
-from jaxscale.planner.validate import PLANS, tiny_config  # noqa: F401  (the validation set)
+from jaxscale.analysis.validation import PLANS, tiny_config  # noqa: F401  (the validation set)
 
 
 MESH_1 = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")

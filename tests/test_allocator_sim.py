@@ -1,5 +1,5 @@
 """The caching-allocator simulator: rounding, best fit, splitting, coalescing, caching."""
-from jaxscale import allocator_sim as sim
+from jaxscale.analysis import allocator as sim
 
 MiB, KiB = sim.MiB, sim.KiB
 

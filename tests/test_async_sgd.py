@@ -1,10 +1,10 @@
-"""Asynchronous SGD (`jaxscale.async_sgd`, plain NumPy): the stale-gradient stability bound against
+"""Asynchronous SGD (`jaxscale.comm.async_sgd`, plain NumPy): the stale-gradient stability bound against
 a measured divergence, the parameter-server simulator's staleness, staleness-aware steps, and the
 sparse (recommender-style) problem that tolerates staleness where a dense one diverges."""
 import numpy as np
 import pytest
 
-from jaxscale import async_sgd as A
+from jaxscale.comm import async_sgd as A
 
 QUAD = A.Quadratic.make(dim=16, h_max=1.0, h_min=0.1)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from jaxscale.attention import AUTO_XLA_MAX_SCORES, IMPLEMENTATIONS, attention, resolve
+from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES, IMPLEMENTATIONS, attention, resolve
 from jaxscale.kernels.blockwise import (BlockSparseMask, blockwise_attention, finalize,
                                         init_carry, online_softmax_step, tile_mask, tile_schedule)
 from jaxscale.kernels.flash_attention import BlockSizes, flash_attention, visited_tiles

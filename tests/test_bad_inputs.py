@@ -265,7 +265,7 @@ def test_model_validate_reports_ranges_without_dividing_by_zero():
 def _hf_dir(path, sharded=False):
     """A small LLaMA directory (config.json + safetensors) without torch."""
     from safetensors.numpy import save_file
-    from jaxscale import hf
+    from jaxscale.interop import hf
     cfg = ModelConfig(vocab_size=320, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
@@ -288,7 +288,7 @@ def _truncate(file):
 
 
 def test_hf_good_directory_opens(tmp_path):
-    from jaxscale import hf
+    from jaxscale.interop import hf
     assert set(hf.Checkpoint(_hf_dir(tmp_path / "a")).weight_map) == {
         "model.embed_tokens.weight", "model.norm.weight"}
     assert len(set(hf.Checkpoint(_hf_dir(tmp_path / "b", sharded=True)).weight_map.values())) == 2
@@ -308,7 +308,7 @@ def test_hf_good_directory_opens(tmp_path):
      r"pytorch_model\.bin: PyTorch pickle \(\.bin\) files are not read.*save_pretrained"),
 ])
 def test_hf_bad_directory_is_a_named_error(tmp_path, damage, error, match):
-    from jaxscale import hf
+    from jaxscale.interop import hf
     d = _hf_dir(tmp_path / "m", sharded=damage in ("truncate shard", "missing shard",
                                                    "broken index"))
     if damage == "truncate single":

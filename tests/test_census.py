@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import hlo, compiled
+from jaxscale.analysis import hlo, inspect
 from jaxscale.mesh import MeshConfig, make_mesh
 from tests.helpers import PLANS, tiny_config
 
@@ -36,7 +36,7 @@ def _compile_shard_map(mesh, f, spec, shape=(8, 64)):
 def test_census_axes_match_the_collective(axes):
     mesh = make_mesh(MeshConfig(dp=2, fsdp=2, tp=2))
     text = _compile_shard_map(mesh, lambda x: jax.lax.psum(x * 2, axes), P(("dp", "fsdp", "tp")))
-    rows = compiled.census(text, mesh)
+    rows = inspect.census(text, mesh)
     assert [(r["kind"], tuple(r["axes"]), r["count"]) for r in rows] == [("all-reduce", axes, 1)]
     assert rows[0]["bytes"] == 64 * 4          # one local row of 64 fp32
     n = 2 ** len(axes)
@@ -51,7 +51,7 @@ def test_census_counts_loop_trips_and_permutes():
             c = jax.lax.psum(c, "dp") * 0.1
             return jax.lax.ppermute(c, "dp", [(i, (i + 1) % 8) for i in range(8)]), None
         return jax.lax.scan(body, x, None, length=5)[0]
-    rows = compiled.census(_compile_shard_map(mesh, f, P("dp")), mesh)
+    rows = inspect.census(_compile_shard_map(mesh, f, P("dp")), mesh)
     kinds = {r["kind"]: r for r in rows}
     assert kinds["all-reduce"]["count"] == 5 and kinds["collective-permute"]["count"] == 5
     assert kinds["collective-permute"]["axes"] == ["dp"]
@@ -62,14 +62,14 @@ def test_all_gather_and_reduce_scatter_bytes():
     mesh = make_mesh(MeshConfig(fsdp=8))
     text = _compile_shard_map(mesh, lambda x: jax.lax.all_gather(x, "fsdp", tiled=True)[:1] * 0 + x,
                               P("fsdp"))
-    ag = [r for r in compiled.census(text, mesh) if r["kind"] == "all-gather"]
+    ag = [r for r in inspect.census(text, mesh) if r["kind"] == "all-gather"]
     assert ag and ag[0]["bytes"] == 8 * 64 * 4 and ag[0]["axes"] == ["fsdp"]
 
 
 # ----------------------------------------------------------------------------- plans
 @functools.lru_cache(maxsize=None)
 def _report(plan):
-    return compiled.report(tiny_config(*PLANS[plan], "model.n_kv_heads=8"))
+    return inspect.report(tiny_config(*PLANS[plan], "model.n_kv_heads=8"))
 
 
 def _grad_bytes(rep_cfg_plan):

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale.cli import main
 from jaxscale.data import Batches, load_corpus

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import collective_algorithms as C
-from jaxscale.bench import collectives as bench
+from jaxscale.comm import algorithms as C
+from jaxscale.comm import bench
 from jaxscale.mesh import MeshConfig, make_mesh
 
 

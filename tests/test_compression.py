@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxscale import compiled
-from jaxscale import compression as C
-from jaxscale import powersgd
+from jaxscale.analysis import inspect
+from jaxscale.strategies.compression import methods as C
+from jaxscale.strategies.compression import powersgd
 
 N = 8
 
@@ -196,7 +196,7 @@ def test_census_equals_wire_bytes(method, params, mesh2d):
     st = C.init_state(method, jax.tree.map(lambda x: x[0], g), N, **params)
     st = None if st is None else C.stack(st, N)
     fn = C.per_device_mean(method, mesh2d, axes, **params)
-    rows = compiled.census(fn.lower(g, st).compile().as_text(), mesh2d)
+    rows = inspect.census(fn.lower(g, st).compile().as_text(), mesh2d)
     want = C.collectives(method, shapes, N, axes=axes, **params)
     by_kind = lambda rs, get: {k: sum(get(r) for r in rs if (r["kind"] if isinstance(r, dict)
                                                             else r.kind) == k)
@@ -277,7 +277,7 @@ def test_bad_inputs(mesh1d):
 
 # ----------------------------------------------------------------------------- in the train step
 def _step_losses(*overrides, steps=3):
-    from jaxscale.planner.validate import tiny_config
+    from jaxscale.analysis.validation import tiny_config
     from jaxscale.train.setup import build
     s = build(tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", *overrides))
     state, out = s.init_state(), []
@@ -292,7 +292,8 @@ def _step_losses(*overrides, steps=3):
 
 
 def test_plan_compression_trains_and_its_census_is_the_formula():
-    from jaxscale import compiled, plan
+    from jaxscale.analysis import inspect
+    from jaxscale import plan
     ref, _, _ = _step_losses()
     int8, _, s = _step_losses("plan.compression=int8")
     np.testing.assert_allclose(int8, ref, rtol=2e-4)
@@ -300,8 +301,8 @@ def test_plan_compression_trains_and_its_census_is_the_formula():
     assert psgd[-1] < psgd[0] and abs(psgd[-1] - ref[-1]) < 0.01
     q = jax.tree.leaves(state.comm.q)[0]
     assert q.shape[0] == 8 and q.sharding.spec[0] == "dp"      # per-device state, in the state
-    census = compiled.census(s.lower_train_step().compile().as_text(), s.placement.mesh)
-    theory = compiled.theory_vs_census(plan.collectives(s.placement.spec), census)
+    census = inspect.census(s.lower_train_step().compile().as_text(), s.placement.mesh)
+    theory = inspect.theory_vs_census(plan.collectives(s.placement.spec), census)
     for r in theory:        # the method's all-to-alls and all-gathers; the scalar token count
         assert r["census_bytes"] == r["theory_bytes"] or (r["census_bytes"] == 0
                                                           and r["theory_bytes"] == 4), r
@@ -318,7 +319,7 @@ def test_plan_compression_trains_and_its_census_is_the_formula():
 ])
 def test_plans_compression_cannot_run_are_refused(overrides, message):
     from jaxscale import plan
-    from jaxscale.planner.validate import tiny_config
+    from jaxscale.analysis.validation import tiny_config
     method = "powersgd" if "rank" in message or any("rank" in o for o in overrides) else "int8"
     with pytest.raises(ValueError, match=message):
         plan.validate(tiny_config(*overrides, f"plan.compression={method}"), 8)

@@ -3,7 +3,7 @@
 Each (case, method) is compiled once, as a jitted forward+backward over inputs already in the
 case's sequence layout and sharded as the wrapper shards them; that one program gives both the
 numerics (o, dq, dk, dv against `reference_attention`, fp32, 1e-5) and the collective census
-(against `collective_counts`, read from the compiled HLO by `jaxscale.compiled.census`).
+(against `collective_counts`, read from the compiled HLO by `jaxscale.analysis.inspect.census`).
 Shapes are tiny (T <= 64, D = 8) so the file runs in well under a minute on 2 CPU cores.
 """
 import functools
@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.axes import Rules, use_rules
-from jaxscale.compiled import census
-from jaxscale.kernels.context import (collective_counts, context_attention, from_layout,
+from jaxscale.analysis.inspect import census
+from jaxscale.strategies.sp.context import (collective_counts, context_attention, from_layout,
                                       hop_pairs, layout_permutation, layout_positions, ring_work,
                                       to_layout, zigzag_permutation)
 from jaxscale.kernels.reference import reference_attention

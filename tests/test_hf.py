@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale import hf  # noqa: E402
+from jaxscale.interop import hf  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
 from jaxscale.train.state import FunctionalModel  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxscale import compiled, hlo
+from jaxscale.analysis import inspect, hlo
 from jaxscale.models.llama import ModelConfig
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "h200_train_step_0p57b.hlo.txt.gz"
@@ -143,7 +143,7 @@ def _mesh():
 
 
 def _census(text):
-    return {r["kind"]: (r["count"], r["bytes"], r["axes"]) for r in compiled.census(text, _mesh())}
+    return {r["kind"]: (r["count"], r["bytes"], r["axes"]) for r in inspect.census(text, _mesh())}
 
 
 def test_dedicated_async_collectives_counted_at_start():

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxscale import checkpoint as ckpt_lib
-from jaxscale import compiled, plan
-from jaxscale import local_sgd as L
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.analysis import inspect
+from jaxscale import plan
+from jaxscale.strategies.local_sgd import averaging as L
 from jaxscale.config import CheckpointConfig
-from jaxscale.planner.validate import tiny_config
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import local_sgd
 from jaxscale.train.setup import build
 
@@ -134,7 +135,7 @@ def test_post_local_warmup_is_synchronous_then_replicas_part():
     assert jax.tree.all(jax.tree.map(np.array_equal, three.params, two.params))
     size = sum(x.size for x in jax.tree.leaves(s.model.abstract_params))
     text, mesh = step.as_text(), s.placement.mesh
-    ar = lambda share: sum(r["bytes"] for r in compiled.census(text, mesh, share))
+    ar = lambda share: sum(r["bytes"] for r in inspect.census(text, mesh, share))
     assert ar([0.0, 0.0, 1.0]) == 4 * size + 16          # warmup: DP's gradient all-reduce
     assert ar(local_sgd.branch_share(s.placement.spec)) == 4 * size / 4 + 16
 
@@ -184,13 +185,13 @@ def test_census_is_one_parameter_all_reduce_per_h_steps(diloco2):
     dp_grad = sum(c.bytes for c in plan.collectives(s.placement.spec.with_(local_sgd="none"))
                   if c.kind == "all-reduce" and c.bytes > 4)
     assert dp_grad == 4 * size
-    inner = compiled.census(text, mesh, [1.0, 0.0])           # a step without the average
+    inner = inspect.census(text, mesh, [1.0, 0.0])           # a step without the average
     assert inner == [{"kind": "all-reduce", "axes": ["dp"], "count": 1, "bytes": 16,
                       "wire_bytes": 28}]                      # the metrics, nothing else
-    avg = compiled.census(text, mesh, local_sgd.branch_share(s.placement.spec))
+    avg = inspect.census(text, mesh, local_sgd.branch_share(s.placement.spec))
     assert len(avg) == 1 and avg[0]["axes"] == ["dp"]
     assert avg[0]["bytes"] - 16 == dp_grad / H
-    theory = compiled.theory_vs_census(plan.collectives(s.placement.spec), avg)
+    theory = inspect.theory_vs_census(plan.collectives(s.placement.spec), avg)
     assert [r["ratio"] for r in theory] == [1.0]
 
 

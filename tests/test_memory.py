@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import compiled
+from jaxscale.analysis import inspect
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
 from jaxscale.train.state import named_shardings, state_bytes
@@ -110,7 +110,7 @@ def test_accumulation_equals_one_big_batch_with_padding():
 
 
 def test_accumulation_temp_memory_falls_with_k():
-    temps = [compiled.memory(build(tiny_config(f"plan.accumulate={k}", "data.batch_size=32",
+    temps = [inspect.memory(build(tiny_config(f"plan.accumulate={k}", "data.batch_size=32",
                                               "data.seq_len=64")).lower_train_step().compile())
              ["temp"] for k in (1, 2, 4)]
     assert temps[0] > temps[1] > temps[2], temps
@@ -122,7 +122,7 @@ def test_remat_temp_order_and_recompute_flops():
     rep = {}
     for r in ("none", "save_dots", "full"):
         c = build(cfg(r)).lower_train_step().compile()
-        rep[r] = (compiled.memory(c)["temp"], compiled.flops(c)["dot_flops"])
+        rep[r] = (inspect.memory(c)["temp"], inspect.flops(c)["dot_flops"])
     assert rep["none"][0] > rep["save_dots"][0] > rep["full"][0]
     # full remat recomputes each layer's forward except its last matmul (w_down: its output is
     # not needed by the backward): ratio = (3 (F_blocks + F_head) + F_blocks - F_down) / 3 (...)
@@ -141,7 +141,7 @@ def test_remat_temp_order_and_recompute_flops():
 def test_remat_offload_sends_the_named_activations_to_host():
     cfg = tiny_config("plan.remat=offload", *DP8)
     setup = build(cfg)
-    off = compiled.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
+    off = inspect.offloaded_activation_bytes(setup.train_step, setup.abstract_state(),
                                              setup.abstract_batch())
     m, B, T = cfg.model, cfg.data.batch_size, cfg.data.seq_len
     # q, attn_out, k, v, gate, up, o_proj; not mlp_down: no backward computation needs the
@@ -150,7 +150,7 @@ def test_remat_offload_sends_the_named_activations_to_host():
                          + m.dim) * 4
     assert off == m.n_layers * per_layer
     none = build(tiny_config(*DP8))
-    assert compiled.offloaded_activation_bytes(none.train_step, none.abstract_state(),
+    assert inspect.offloaded_activation_bytes(none.train_step, none.abstract_state(),
                                               none.abstract_batch()) == 0
 
 
@@ -167,7 +167,7 @@ def test_zero_model_state_bytes_per_param(stage, expected):
     cfg = tiny_config(*DP8, "plan.precision=bf16", f"plan.zero={stage}")
     setup = build(cfg)
     n_params = cfg.model.param_count()
-    args = compiled.memory(setup.lower_train_step().compile())["argument"]
+    args = inspect.memory(setup.lower_train_step().compile())["argument"]
     batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4 // 8
     # gradients in their planned sharding, as the compiled gradient program outputs them
     spec_tree = setup.layout.specs.grads
@@ -175,7 +175,7 @@ def test_zero_model_state_bytes_per_param(stage, expected):
     fn = lambda p, b: jax.tree.map(lambda g: g.astype(jnp.bfloat16), setup.grads_fn(p, b)[0])
     gc = jax.jit(fn, out_shardings=grad_sh).lower(setup.abstract_state().params,
                                                   setup.abstract_batch()).compile()
-    grads = compiled.memory(gc)["output"]
+    grads = inspect.memory(gc)["output"]
     per_param = (args - batch + grads) / n_params
     assert abs(per_param / expected - 1) < 0.03, (stage, per_param)
 
@@ -183,7 +183,7 @@ def test_zero_model_state_bytes_per_param(stage, expected):
 @pytest.mark.parametrize("stage, psi", [(1, 2), (2, 2), (3, 3)])
 def test_zero_census_moves_2_or_3_psi(stage, psi):
     cfg = tiny_config(*DP8, "plan.precision=bf16", f"plan.zero={stage}")
-    rows = compiled.report(cfg)["collectives"]
+    rows = inspect.report(cfg)["collectives"]
     kinds = {r["kind"]: r for r in rows}
     assert {tuple(r["axes"]) for r in rows} == {("dp",)}
     # XLA:CPU emits the gradient reduce-scatter as an all-reduce (+ slice); on GPU it is a
@@ -224,7 +224,7 @@ def test_donation_aliases_the_whole_state_and_lowers_peak():
     donation its buffer assignment already parks the gradients in the fresh output buffers, and
     with donation they sit in temp (experiment 22 gives the fractions)."""
     cfg = tiny_config(*DP8)
-    rep = compiled.donation_report(cfg)
+    rep = inspect.donation_report(cfg)
     state = sum(v["device"] for v in state_bytes(build(cfg).abstract_state()).values())
     assert abs(rep["donated"]["alias"] - state) < 1024
     assert rep["not_donated"]["alias"] == 0
@@ -251,7 +251,7 @@ def test_2x2x2_bf16_zero2_full_remat_accumulate_matches_single_device():
 
 # ----------------------------------------------------------------------------- leaks
 def test_profile_flags_a_planted_leak_and_not_a_clean_run(tmp_path):
-    from jaxscale.profiling import profile
+    from jaxscale.analysis.profiling import profile
     cfg = tiny_config(*DP8)
     clean = profile(cfg, steps=6, out=tmp_path / "clean")
     assert clean["leak"] is None

@@ -6,7 +6,7 @@ import pytest
 from jaxscale import hardware, planner
 from jaxscale.cli import main
 from jaxscale.models.llama import ModelConfig
-from jaxscale.planner.validate import tiny_config
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import precision
 from tests.helpers import SMALL_ARGS
 

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxscale import checkpoint as ckpt_lib
-from jaxscale import compiled, plan, planner
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.analysis import inspect
+from jaxscale import plan, planner
 from jaxscale.axes import use_rules
 from jaxscale.data import Batches, load_corpus
 from jaxscale.models import Llama, moe
-from jaxscale.planner import params as params_lib
-from jaxscale.planner import validate
+from jaxscale.strategies.tables import params as params_lib
+from jaxscale.analysis import validation
 from jaxscale.train.setup import build
 from tests.helpers import MESH_1, tiny_config
 
@@ -194,14 +195,14 @@ def test_all_to_all_census_matches_the_formula(ep):
     """4 all-to-alls per MoE layer (dispatch and combine, forward and backward), each of the
     device's slot buffer: tokens x E C / T x dim x 4 bytes; every census row within 2%."""
     cfg = tiny_config(*TINY, *MESHES[ep], *CAPACITY)
-    rep = compiled.report(cfg)
+    rep = inspect.report(cfg)
     rows = [c for c in rep["collectives"] if c["kind"] == "all-to-all"]
     L, T, B = cfg.model.n_layers, cfg.data.seq_len, cfg.data.batch_size
     tokens = B * T / (8 // cfg.mesh.tp)                 # per device: dp x fsdp x ep = 8 / tp
     buf = tokens * 8 * cfg.model.moe_capacity(T) / T * cfg.model.dim * 4
     assert [r["axes"] for r in rows] == [["ep"]] and rows[0]["count"] == 4 * L
     assert rows[0]["bytes"] == 4 * L * buf
-    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
     for r in cmp["collectives"]:
         assert r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.02, r
 

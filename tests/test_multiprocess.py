@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint as ckpt_lib
 from tests.helpers import SMALL_ARGS, subprocess_env
 
 SMALL = SMALL_ARGS

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxscale import compiled, launch
+from jaxscale.analysis import inspect
+from jaxscale import launch
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
@@ -54,7 +55,7 @@ def one_process():
     batch = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len,
                     seed=0).device_batch(0, setup.batch_shardings())
     _, m = comp(setup.init_state(), batch)
-    return compiled.census(comp.as_text(), setup.placement.mesh), float(m["loss"])
+    return inspect.census(comp.as_text(), setup.placement.mesh), float(m["loss"])
 
 
 def _rows(census, kind, axes):

@@ -21,11 +21,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint as ckpt_lib
-from jaxscale import compiled, hlo, planner
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.analysis import inspect, hlo
+from jaxscale import planner
 from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
-from jaxscale.planner import validate
+from jaxscale.analysis import validation
 from jaxscale.strategies import offload
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
@@ -221,25 +222,25 @@ def test_cpu_program_updates_in_place_layer_by_layer():
     _, base_exe, _ = _compiled(*BASE)
     piece = offload.piece_bytes(Spec.from_config(setup.cfg))
     assert piece > 0
-    assert compiled.memory(exe)["temp"] <= compiled.memory(base_exe)["temp"] + piece
+    assert inspect.memory(exe)["temp"] <= inspect.memory(base_exe)["temp"] + piece
 
 
 def test_offload_adds_no_collective():
     setup, exe, text = _compiled(*OFF)
     _, _, base_text = _compiled(*BASE)
     mesh = setup.placement.mesh
-    assert compiled.census(text, mesh) == compiled.census(base_text, mesh)
+    assert inspect.census(text, mesh) == inspect.census(base_text, mesh)
 
 
 # ----------------------------------------------------------------------------- planner
 def test_planner_predicts_the_streamed_update():
     setup, exe, text = _compiled(*OFF)
     cfg = setup.cfg
-    rep = {"memory": compiled.memory(exe), "collectives": compiled.census(text,
+    rep = {"memory": inspect.memory(exe), "collectives": inspect.census(text,
                                                                           setup.placement.mesh),
-           "flops": compiled.flops(exe, text)}
-    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
-    assert cmp["ok"], validate.format_comparison(cmp)
+           "flops": inspect.flops(exe, text)}
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
+    assert cmp["ok"], validation.format_comparison(cmp)
     # the update phase holds one streamed piece more than the in-place update without offload
     mem, base = planner.predict(cfg).memory, planner.predict(tiny_config(*BASE)).memory
     piece = offload.piece_bytes(Spec.from_config(cfg))

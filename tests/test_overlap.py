@@ -1,5 +1,5 @@
-"""Collective matmul (jaxscale/collective_matmul.py) and plan.tp_overlap / plan.xla_preset
-(jaxscale/strategies/overlap.py): the decompositions equal the plain matmul, forward and
+"""Collective matmul (jaxscale/strategies/overlap/collective_matmul.py) and plan.tp_overlap / plan.xla_preset
+(jaxscale/strategies/overlap/__init__.py): the decompositions equal the plain matmul, forward and
 backward; a TP+SP step with them equals the step without; its census shows ring permutes in
 place of the block's all-gathers and reduce-scatters, as the formula says; bad plans are refused
 by name; every XLA preset is accepted by the installed jaxlib and reaches the train step."""
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxscale import collective_matmul as cm
-from jaxscale import compiled, plan
+from jaxscale.strategies.overlap import collective_matmul as cm
+from jaxscale.analysis import inspect
+from jaxscale import plan
 from jaxscale.axes import Rules
 from jaxscale.data import Batches, load_corpus
 from jaxscale.strategies import overlap
@@ -47,7 +48,7 @@ def test_collective_matmul_equals_plain_matmul(shape, bidirectional):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
         # forward and backward move sequence chunks by permutes only
         text = jax.jit(jax.grad(loss(fn), (0, 1))).lower(a, b).compile().as_text()
-        kinds = {c["kind"] for c in compiled.census(text, mesh)}
+        kinds = {c["kind"] for c in inspect.census(text, mesh)}
         assert kinds <= {"collective-permute", "all-reduce"}, kinds   # all-reduce: dW over dp
         assert "collective-permute" in kinds
 
@@ -75,7 +76,7 @@ def plain():
 @pytest.fixture(scope="module")
 def overlapped():
     cfg = tiny_config(*TPSP, CM)
-    return cfg, _grads(cfg), compiled.report(cfg)
+    return cfg, _grads(cfg), inspect.report(cfg)
 
 
 def test_tp_sp_step_with_collective_matmul_equals_the_step_without(plain, overlapped):
@@ -106,7 +107,7 @@ def test_census_shows_permutes_in_place_of_the_block_gathers(overlapped):
 def test_bidirectional_with_remat_replays_the_o_ring_as_the_formula_says():
     cfg = tiny_config(*TPSP, "plan.tp_overlap=collective_matmul_bidirectional",
                       "plan.remat=full")
-    rep = compiled.report(cfg)
+    rep = inspect.report(cfg)
     t, L = cfg.mesh.tp, cfg.model.n_layers
     assert _count(rep, "collective-permute") == (13 + 1) * (t - 1) * L
     (row,) = [r for r in rep["theory"] if r["kind"] == "collective-permute"]
@@ -181,8 +182,8 @@ ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
 
 
 def test_schedule_windows_of_async_and_synchronous_collectives():
-    from jaxscale import schedule
-    ws = {w.name: w for w in schedule.windows(_SCHEDULED)}
+    from jaxscale.analysis import windows
+    ws = {w.name: w for w in windows.windows(_SCHEDULED)}
     assert set(ws) == {"ags", "cp", "cp2"}
     mm = 2 * 4 * 4 * 4
     # async: the matmul between start and done; sync: the one between producer and consumer
@@ -190,6 +191,6 @@ def test_schedule_windows_of_async_and_synchronous_collectives():
     assert not ws["cp"].asynchronous and (ws["cp"].window_ops, ws["cp"].window_flops) == (1, mm)
     # nothing scheduled between mm3 and mm4, though mm2 was independent of cp2
     assert ws["cp2"].window_ops == 0 and ws["cp2"].independent_flops == mm
-    s = schedule.summary(list(ws.values()))["all"]
+    s = windows.summary(list(ws.values()))["all"]
     assert s["covered"] == pytest.approx((128 + 64) / (128 + 64 + 64))
     assert s["coverable"] == 1.0 and s["async"] == 1

@@ -1,4 +1,4 @@
-"""The pipeline engine over pp (`jaxscale.train.pipeline`): every schedule's loss and gradients equal
+"""The pipeline engine over pp (`jaxscale.strategies.pp.engine`): every schedule's loss and gradients equal
 the unpipelined model's with fsdp and tp on the same mesh; the compiled collective-permutes and
 memory against the planner (GPipe growing with m, 1F1B flat); a checkpoint written under an
 interleaved pp=2 plan restored at pp=1; a composed plan (dp, tp, ZeRO-1, bf16, remat) training
@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import compiled, plan, planner
+from jaxscale.analysis import inspect
+from jaxscale import plan, planner
 from jaxscale.axes import use_rules
 from jaxscale.strategies import pp
-from jaxscale.train import pipeline
+from jaxscale.strategies.pp import engine
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 
@@ -40,9 +41,9 @@ def reference():
 def _pipelined_grads(overrides, params):
     s = build(tiny_config(*BASE, *overrides))
     order = pp.layer_order(s.placement.spec)
-    local = jax.device_put(pipeline.reorder(params, None, order), s.device_shardings.params)
+    local = jax.device_put(engine.reorder(params, None, order), s.device_shardings.params)
     grads, loss, ntok = s.jit_grads()(local, _batch())
-    return jax.device_get(pipeline.reorder(grads, order, None)), float(loss), float(ntok), s
+    return jax.device_get(engine.reorder(grads, order, None)), float(loss), float(ntok), s
 
 
 SCHEDULES = {   # p, m, v over the same 8 devices as fsdp x tp
@@ -86,9 +87,9 @@ def test_interleaved_layer_order_round_trips():
     # device 0 holds stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
     assert pp.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
     tree = {"layers": {"w": np.arange(L)}, "embed": np.arange(3)}
-    moved = pipeline.reorder(tree, None, pp.layer_order(spec))
+    moved = engine.reorder(tree, None, pp.layer_order(spec))
     assert list(moved["layers"]["w"]) == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert list(pipeline.reorder(moved, pp.layer_order(spec), None)["layers"]["w"]) == list(
+    assert list(engine.reorder(moved, pp.layer_order(spec), None)["layers"]["w"]) == list(
         range(L))
     assert pp.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
 
@@ -103,14 +104,14 @@ def reports():
             cfg = tiny_config("model.n_layers=4", "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4",
                               "mesh.tp=1", f"plan.schedule={name}", f"plan.accumulate={m}",
                               f"data.batch_size={4 * m}", "data.seq_len=64")
-            out[name, m] = cfg, compiled.report(cfg)
+            out[name, m] = cfg, inspect.report(cfg)
     return out
 
 
 def test_permutes_and_pipeline_all_reduce_match_the_formula(reports):
     for (name, m), (cfg, rep) in reports.items():
         spec = plan.Spec.from_config(cfg)
-        prog = pipeline.program_for(spec)
+        prog = engine.program_for(spec)
         row = next(r for r in rep["collectives"]
                    if r["kind"] == "collective-permute" and r["axes"] == ["pp"])
         act = 1 * 64 * 128 * 4                       # a micro-batch's row per device, [1, T, D]
@@ -142,7 +143,7 @@ def test_flops_are_the_model_flops(reports):
 
 # ----------------------------------------------------------------------------- composition
 def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
-    from jaxscale import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint as ckpt_lib
     pp_cfg = tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.precision=bf16",
                          "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4")
     s = build(pp_cfg)

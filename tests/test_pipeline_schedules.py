@@ -1,11 +1,11 @@
-"""Pipeline schedules as data (`jaxscale.pipeline_schedules`): the simulator against the closed-form
+"""Pipeline schedules as data (`jaxscale.strategies.pp.schedules`): the simulator against the closed-form
 bubbles, peak activations in flight, every op once with its dependencies kept, clear errors for
 bad (p, m, v, layers), and the Gantt PNG. Pure Python, no JAX work: about a second."""
 import itertools
 
 import pytest
 
-from jaxscale import pipeline_schedules as ps
+from jaxscale.strategies.pp import schedules as ps
 
 PS, MS = (2, 4, 8), (4, 8, 16)
 

@@ -9,11 +9,14 @@ import pytest
 
 from jaxscale import meshes
 from jaxscale import models
-from jaxscale import compiled, planner
+from jaxscale.analysis import inspect
+from jaxscale import planner
 from jaxscale.config import Config, DataConfig, apply_overrides
 from jaxscale.mesh import MeshConfig
 from jaxscale.plan import Spec
-from jaxscale.planner import activations, gpt, memory, params, search, validate
+from jaxscale.strategies.tables import activations, params
+from jaxscale.planner import gpt, memory, search
+from jaxscale.analysis import validation
 from jaxscale.strategies import pp, remat
 from tests.helpers import PLANS, tiny_config
 
@@ -22,21 +25,21 @@ from tests.helpers import PLANS, tiny_config
 @functools.lru_cache(maxsize=None)
 def _compiled(plan):
     cfg = tiny_config(*PLANS[plan])
-    return cfg, compiled.report(cfg)
+    return cfg, inspect.report(cfg)
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_prediction_matches_compiled_step(plan):
-    """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validate.TOLERANCE` (5%,
+    """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validation.TOLERANCE` (5%,
     20%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
     tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice (the prediction
     names that kind per collective), and the LM head's backward all-gather is `optional`
     (XLA's CSE merges it with the forward one on some configs, not on others)."""
     cfg, rep = _compiled(plan)
-    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
     rows = {r["what"]: r["ratio"] for r in cmp["memory"]}
     for what in ("argument+output", "temp", "flops"):
-        assert abs(rows[what] - 1) <= validate.TOLERANCE[what], (what, cmp)
+        assert abs(rows[what] - 1) <= validation.TOLERANCE[what], (what, cmp)
     assert cmp["collectives"] or plan == "single"
     for r in cmp["collectives"]:
         assert r["compiled"] > 0 and r["predicted"] > 0, r      # nothing missing on either side
@@ -53,10 +56,10 @@ def test_reduce_scatter_is_mapped_to_the_all_reduce_xla_cpu_emits():
     rs = [c for c in pred.collectives if c.kind == "reduce-scatter"]
     assert rs and all(c.cpu_kind == "all-reduce" and c.axes == ("fsdp",) for c in rs)
     assert not [c for c in rep["collectives"] if c["kind"] == "reduce-scatter"]
-    row = [r for r in validate.comm_rows(pred, rep["collectives"]) if r["kind"] == "all-reduce"][0]
+    row = [r for r in validation.comm_rows(pred, rep["collectives"]) if r["kind"] == "all-reduce"][0]
     assert "all-reduce + slice" in row["note"]
     # on a GPU the same prediction is a reduce-scatter row of its own
-    gpu = {(r["kind"], tuple(r["axes"])) for r in validate.comm_rows(pred, [], backend="gpu")}
+    gpu = {(r["kind"], tuple(r["axes"])) for r in validation.comm_rows(pred, [], backend="gpu")}
     assert ("reduce-scatter", ("fsdp",)) in gpu
 
 
@@ -267,7 +270,8 @@ def test_plan_command_errors(argv, msg, capsys, tmp_path):
 
 def test_cpu_capacity_is_the_hosts_share_and_auto_attention_matches():
     import jax.numpy as jnp
-    from jaxscale import attention, hardware
+    from jaxscale.hooks import attention
+    from jaxscale import hardware
     pred = planner.predict(tiny_config())
     assert pred.capacity == hardware.get("cpu").host_bytes / 8
     for seq in (256, 4096):
@@ -282,7 +286,7 @@ def test_cpu_capacity_is_the_hosts_share_and_auto_attention_matches():
 def test_state_bytes_follow_the_optimizers_moments(optim):
     """AdamW keeps two moments per parameter, heavy-ball SGD one, plain SGD none: the predicted
     state (the step's argument bytes) equals the compiled one for each."""
-    cfg = validate.tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", *optim)
+    cfg = validation.tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", *optim)
     assert Spec.from_config(cfg, 8).moments == (1 if len(optim) == 2 else 0)
     predicted = planner.predict(cfg).as_dict()["memory"]["xla"]["argument"]
-    assert predicted == pytest.approx(compiled.report(cfg)["memory"]["argument"], rel=1e-3)
+    assert predicted == pytest.approx(inspect.report(cfg)["memory"]["argument"], rel=1e-3)

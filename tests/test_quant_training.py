@@ -1,4 +1,4 @@
-"""Quantisation-aware training as a plan option (`plan.qat`, strategies/quant.py, jaxscale/qat.py):
+"""Quantisation-aware training as a plan option (`plan.qat`, strategies/qat/):
 8-bit dots in the compiled program, straight-through gradients, fp8 delayed scaling's state,
 int8 under a parallel plan against one device, fp8's saved-activation memory, refusals."""
 import collections
@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint as ckpt_lib
-from jaxscale import compiled, hlo, qat
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.analysis import inspect, hlo
+from jaxscale.strategies.qat import numerics
 from jaxscale import plan as plan_lib
 from jaxscale.config import check
 from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
-from jaxscale.strategies import quant
+from jaxscale.strategies import qat
 from jaxscale.train.setup import build
 
 from helpers import MESH_1, tiny_config
@@ -49,7 +50,7 @@ class Run:
     def steps(self, batches, initial, n=STEPS):
         """n steps from `initial` (host arrays: one initialisation for every plan, placed by
         this plan's shardings), with fp8's histories zeroed."""
-        fresh = quant.init_state(Spec.from_config(self.cfg, self.setup.placement.mesh.size))
+        fresh = qat.init_state(Spec.from_config(self.cfg, self.setup.placement.mesh.size))
         state = jax.device_put(dataclasses.replace(initial, quant=fresh),
                                self.setup.state_shardings)
         losses, states = [], []
@@ -113,7 +114,7 @@ def test_fp8_trains_and_rolls_its_amax_history(fp8_one, batches, initial, tmp_pa
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.05, losses
     L, H = fp8_one.cfg.model.n_layers, 3
     hist = [s["amax_history"] for s in states]
-    assert hist[0].shape == (L, len(qat.SLOTS), H)
+    assert hist[0].shape == (L, len(numerics.SLOTS), H)
     for i, h in enumerate(hist):               # step i+1 filled i+1 columns (at most H)
         filled = min(i + 1, H)
         assert np.all(h[..., :filled] > 0), i
@@ -121,12 +122,12 @@ def test_fp8_trains_and_rolls_its_amax_history(fp8_one, batches, initial, tmp_pa
     np.testing.assert_array_equal(hist[1][..., 1], hist[0][..., 0])    # rolled, not rewritten
     np.testing.assert_array_equal(hist[3][..., 1:], hist[2][..., :2])
     assert not np.array_equal(hist[3][..., 0], hist[2][..., 0])          # a new amax each step
-    g = [qat.SLOTS.index(f"g:{s}") for s in qat.SITES]
-    x = [qat.SLOTS.index(f"x:{s}") for s in ("attn_in", "mlp_in")]
+    g = [numerics.SLOTS.index(f"g:{s}") for s in numerics.SITES]
+    x = [numerics.SLOTS.index(f"x:{s}") for s in ("attn_in", "mlp_in")]
     assert hist[-1][..., g, 0].max() < 0.1 < hist[-1][..., x, 0].min()   # gradients are small
     # the histories are saved and restored with the rest of the train state
     abstract = fp8_one.setup.abstract_state()
-    assert abstract.quant["amax_history"].shape == (L, len(qat.SLOTS), H)
+    assert abstract.quant["amax_history"].shape == (L, len(numerics.SLOTS), H)
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", fp8_one.cfg.ckpt)
     ck.save(STEPS, fp8_one.last, ckpt_lib.make_meta(fp8_one.cfg, fp8_one.last, STEPS))
     ck.wait()
@@ -144,12 +145,12 @@ def test_fp8_records_the_largest_amax_over_micro_batches(fp8_one, batches, initi
     micro = [{k: np.concatenate([v[j::2]] * 2) for k, v in rows.items()} for j in (0, 1)]
 
     def newest(run, host_batch):
-        fresh = quant.init_state(Spec.from_config(run.cfg, 1))
+        fresh = qat.init_state(Spec.from_config(run.cfg, 1))
         state = jax.device_put(dataclasses.replace(initial, quant=fresh),
                                run.setup.state_shardings)
         batch = jax.device_put(host_batch, run.setup.batch_shardings())
         return np.asarray(jax.device_get(run.compiled(state, batch)[0].quant)["amax_history"])[..., 0]
-    fwd = [i for i, s in enumerate(qat.SLOTS) if s[0] in "xw"]
+    fwd = [i for i, s in enumerate(numerics.SLOTS) if s[0] in "xw"]
     both = newest(acc, rows)[:, fwd]
     alone = [newest(fp8_one, m)[:, fwd] for m in micro]
     assert not np.allclose(alone[0], alone[1], rtol=1e-3)       # the micro-batches differ
@@ -172,7 +173,7 @@ def test_int8_parallel_plan_matches_one_device(int8_one, batches, initial):
     theory = [c for c in plan_lib.collectives(spec) if "QAT" in c.what]
     assert theory and theory[0].axes == ("tp",)
     census = {(r["kind"], tuple(r["axes"])): r for r in
-              compiled.census(mix.text, mix.setup.placement.mesh)}
+              inspect.census(mix.text, mix.setup.placement.mesh)}
     assert census[("all-reduce", ("tp",))]["bytes"] >= theory[0].bytes
 
 
@@ -202,11 +203,11 @@ def one_matmul(x, w, g, tight):
     with the amaxes it reports), and fp8 with a too-small delayed x scale."""
     out = []
     for eq, (a, b, c) in zip(EQS, zip(x, w, g)):
-        ref, ref_vjp = jax.vjp(lambda u, v: qat.reference(eq, u, v), a, b)
-        i8, i8_vjp = jax.vjp(lambda u, v: qat.int8_matmul(eq, u, v), a, b)
-        f8, f8_vjp = jax.vjp(lambda u, v, s: qat.fp8_matmul(eq, u, v, s), a, b,
+        ref, ref_vjp = jax.vjp(lambda u, v: numerics.reference(eq, u, v), a, b)
+        i8, i8_vjp = jax.vjp(lambda u, v: numerics.int8_matmul(eq, u, v), a, b)
+        f8, f8_vjp = jax.vjp(lambda u, v, s: numerics.fp8_matmul(eq, u, v, s), a, b,
                              jnp.zeros((3,), jnp.float32))
-        sat = qat.fp8_matmul(eq, a, b, jnp.stack([jnp.abs(a).max() / 448 * tight, 0.0, 0.0]))
+        sat = numerics.fp8_matmul(eq, a, b, jnp.stack([jnp.abs(a).max() / 448 * tight, 0.0, 0.0]))
         out.append((ref, ref_vjp(c), i8, i8_vjp(c), f8, f8_vjp(c), sat))
     return out
 
@@ -237,8 +238,8 @@ def test_fp8_saved_inputs_memory_against_compiled(int8_one, fp8_one):
     heap packing moves the difference by up to a third either way (1.33x of the term now; the
     live-set peaks of the two programs differ by 0.63x of it)."""
     spec8, spec = (Spec.from_config(r.cfg, 1) for r in (int8_one, fp8_one))
-    assert quant.memory(spec8) == []
-    terms = {t.what: t.bytes for t in quant.memory(spec)}
+    assert qat.memory(spec8) == []
+    terms = {t.what: t.bytes for t in qat.memory(spec)}
     L, H = spec.model.n_layers, spec.fp8_amax_history
     assert terms["fp8 amax histories"] == 4 * L * 18 * H
     predicted = -terms["matmul inputs saved in e4m3 instead of the compute dtype"]
@@ -260,7 +261,7 @@ def test_refusals():
     assert any("fp8_amax_history" in e for e in check(tiny_config("plan.fp8_amax_history=-1")))
 
     def problems(*ov):
-        return quant.problems(Spec.from_config(tiny_config(*ov), 8))
+        return qat.problems(Spec.from_config(tiny_config(*ov), 8))
     assert problems("plan.qat=int8") == []
     assert any("mesh.pp=2" in e for e in problems("plan.qat=fp8", "mesh.dp=1", "mesh.pp=2"))
     assert any("plan.compression=int8" in e for e in
@@ -269,9 +270,9 @@ def test_refusals():
     assert any("moe_experts" in e for e in problems("plan.qat=fp8", "model.moe_experts=4"))
     spec = Spec.from_config(tiny_config("plan.qat=int8"), 8).with_(
         tp_overlap="collective_matmul")
-    assert any("Rules.projection" in e for e in quant.problems(spec))
+    assert any("Rules.projection" in e for e in qat.problems(spec))
     with pytest.raises(ValueError, match="batch or summed-out"):
-        qat.int8_matmul("bij,bjk->bik", jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
+        numerics.int8_matmul("bij,bjk->bik", jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
     # the plan names its implementation in the rules; the label names the method
     spec = Spec.from_config(tiny_config("plan.qat=fp8"), 8)
     assert spec.rules.projection == "qat_fp8"

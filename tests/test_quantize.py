@@ -1,4 +1,4 @@
-"""Compression library (`jaxscale.quantize`): int8/int6/int4 weight-only PTQ of the tiny model
+"""Compression library (`jaxscale.strategies.qat.ptq`): int8/int6/int4 weight-only PTQ of the tiny model
 (logit error, exact bytes, per-element error bound), magnitude and 2:4 pruning masks (exact
 counts, the right axis), the cubic sparsity schedule, the distillation loss (zero at T=1 for
 equal logits, gradient vs finite differences), and errors naming the bad argument."""
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import quantize as Q
-from jaxscale.planner.validate import tiny_config
+from jaxscale.strategies.qat import ptq as Q
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.train.state import FunctionalModel
 
 #: max |logits_q - logits_fp32| / max |logits_fp32| of the tiny model (random init, 2 x 32

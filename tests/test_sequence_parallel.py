@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import compiled, plan, planner
+from jaxscale.analysis import inspect
+from jaxscale import plan, planner
 from jaxscale.data import Batches, load_corpus
-from jaxscale.planner import validate
+from jaxscale.analysis import validation
 from jaxscale.train.setup import build
 from tests.helpers import MESH_1, tiny_config
 from tests.test_parallel import _trajectory
@@ -74,8 +75,8 @@ def test_bf16_ring_tracks_one_bf16_device():
 ])
 def test_census_matches_the_planner(name, kind, per_layer):
     cfg = tiny_config(*PLANS[name], *KV8)
-    rep = compiled.report(cfg)
-    cmp = validate.compare(planner.predict(cfg), rep, backend="cpu")
+    rep = inspect.report(cfg)
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
     for r in cmp["collectives"]:
         assert r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.02, r
     sp, L, k = cfg.mesh.sp, cfg.model.n_layers, cfg.plan.accumulate
@@ -87,7 +88,7 @@ def test_census_matches_the_planner(name, kind, per_layer):
 def test_megatron_sp_turns_tp_all_reduces_into_gathers_and_shrinks_temp():
     tp = tiny_config("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", *KV8)
     sp = tiny_config(*MEGATRON_SP, *KV8)
-    a, b = compiled.report(tp), compiled.report(sp)
+    a, b = inspect.report(tp), inspect.report(sp)
     gathers = lambda rep: sum(c["count"] for c in rep["collectives"]  # noqa: E731
                               if c["kind"] == "all-gather" and c["axes"] == ["tp"])
     assert gathers(a) == 0 and gathers(b) == 6 * sp.model.n_layers + 2

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxscale import compiled, plan
-from jaxscale.planner.validate import tiny_config
-from jaxscale.quantize import contracted_axes
+from jaxscale.analysis import inspect
+from jaxscale import plan
+from jaxscale.analysis.validation import tiny_config
+from jaxscale.strategies.qat.ptq import contracted_axes
 from jaxscale.strategies import prune, sparse_embedding
 from jaxscale.train.setup import build
 
@@ -96,9 +97,9 @@ def test_sharded_masks_equal_global_masks_and_census_is_the_formula(magnitude_mi
     b = jax.jit(glob)(params, jnp.int32(2))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    census = compiled.census(exe.as_text(), s.placement.mesh)
+    census = inspect.census(exe.as_text(), s.placement.mesh)
     rows = {(r["kind"], tuple(r["axes"])): r for r in
-            compiled.theory_vs_census(plan.collectives(spec), census)}
+            inspect.theory_vs_census(plan.collectives(spec), census)}
     gather = rows[("all-gather", ("fsdp", "tp"))]        # the sort's gather of each matrix
     assert gather["theory_bytes"] == gather["census_bytes"] > 0
 
@@ -132,16 +133,16 @@ def test_sparse_embedding_equals_dense_exchange(exchanges):
 def test_sparse_embedding_census_is_the_formula_and_fewer_bytes(exchanges):
     s, exe, _, _ = exchanges["sparse"]
     spec = s.placement.spec
-    census = compiled.census(exe.as_text(), s.placement.mesh)
+    census = inspect.census(exe.as_text(), s.placement.mesh)
     n, R, D = 8, sparse_embedding.rows(spec), spec.model.dim
     assert R == 32                                 # 1 sequence x 32 tokens per device < 320
     gather = [r for r in census if r["kind"] == "all-gather"]
     assert gather == [dict(kind="all-gather", axes=["dp"], count=2, bytes=4 * n * R * (D + 1),
                            wire_bytes=gather[0]["wire_bytes"])]
-    for r in compiled.theory_vs_census(plan.collectives(spec), census):
+    for r in inspect.theory_vs_census(plan.collectives(spec), census):
         assert r["census_bytes"] == r["theory_bytes"] or (r["census_bytes"] == 0
                                                           and r["theory_bytes"] == 4), r
-    dense = compiled.census(exchanges["dense"][1].as_text(), s.placement.mesh)
+    dense = inspect.census(exchanges["dense"][1].as_text(), s.placement.mesh)
     reduce = lambda c: sum(r["bytes"] for r in c if r["kind"] == "all-reduce")
     # the embedding's all-reduce (4 V D) left the all-reduce (the 4-byte token count, merged
     # into a tuple with other scalars in the dense step, has its own all-reduce here)
@@ -154,7 +155,7 @@ def test_sparse_embedding_census_is_the_formula_and_fewer_bytes(exchanges):
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, exchanges):
     """A run directory (config.json + checkpoints/0) holding the dp8 model's initial state."""
-    from jaxscale import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint as ckpt_lib
     from jaxscale import config as config_lib
     out = tmp_path_factory.mktemp("teacher")
     s, state = exchanges["dense"][0], exchanges["init"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale import hlo
+from jaxscale.analysis import hlo
 from jaxscale.models import llama
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
@@ -126,11 +126,11 @@ def test_zero_on_an_fsdp_mesh_moves_no_shard(stage):
     and parameters each device already holds and the gathered parameters land in fsdp's layout,
     so no collective-permute re-lays anything (nested ('dp', 'fsdp'), fp32 ZeRO-1 moved 714 KB
     per step here)."""
-    from jaxscale import compiled
+    from jaxscale.analysis import inspect
     setup = build(tiny_config("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", f"plan.zero={stage}"))
     specs = jax.tree.leaves(setup.layout.specs.shards,
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     assert any(("fsdp", "dp") in tuple(s) for s in specs)
     text = setup.lower_train_step().compile().as_text()
-    kinds = {c["kind"] for c in compiled.census(text, setup.placement.mesh)}
+    kinds = {c["kind"] for c in inspect.census(text, setup.placement.mesh)}
     assert "all-gather" in kinds and "collective-permute" not in kinds

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale import shards, tokenizer
+from jaxscale.data import shards, tokenizer
 from jaxscale.config import Config, DataConfig, data_problems
 from jaxscale.data import make_batches
-from jaxscale.stream import Chunks, PackedBatches, pipeline
+from jaxscale.data.stream import Chunks, PackedBatches, pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha beta gamma délta ε ζήτα 日本語 código naïve jax 🙂 loss step".split()
@@ -200,7 +200,7 @@ def test_packed_batches_train_through_the_step_and_the_pipeline(prepared):
     """The step takes positions and segment ids when data.shards is set; the pipeline engine
     carries them to every stage: its loss and gradients equal the unpipelined step's."""
     import jax
-    from jaxscale.planner.validate import tiny_config
+    from jaxscale.analysis.validation import tiny_config
     from jaxscale.train.setup import build
     out, _ = prepared
     common = (f"data.shards={out}", "data.batch_size=8", "data.seq_len=32", "model.n_layers=2",
@@ -273,8 +273,8 @@ def test_cli_prepare_train_tokenizer_and_refusals(corpus, tmp_path, capsys):
 
 FLAT = textwrap.dedent("""
     import json, sys, numpy as np
-    from jaxscale.stream import pipeline
-    from jaxscale.shards import TokenShards
+    from jaxscale.data.stream import pipeline
+    from jaxscale.data.shards import TokenShards
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
     src = TokenShards(sys.argv[1], "train")

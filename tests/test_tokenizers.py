@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxscale import tokenizer as T
+from jaxscale.data import tokenizer as T
 from jaxscale.config import Config, DataConfig, data_problems
 
 TEXT = ("déjà vu — naïve façade; Ελληνικά, русский, 日本語のテキスト, 한국어, "
@@ -121,7 +121,7 @@ def test_in_memory_corpus_with_a_bpe(bpe_dir, tmp_path):
 
 def test_hf_load_takes_the_directorys_tokenizer(tmp_path, bpe_dir):
     import shutil
-    from jaxscale import hf
+    from jaxscale.interop import hf
     from jaxscale.models.llama import ModelConfig
     from jaxscale.train.state import FunctionalModel
     import jax

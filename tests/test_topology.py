@@ -1,9 +1,9 @@
-"""Network topologies (`jaxscale.topology`, plain Python): which flows are fast on each, and the
+"""Network topologies (`jaxscale.comm.topology`, plain Python): which flows are fast on each, and the
 all-reduce algorithm each favours; one node reduces to the NVLink ring."""
 import pytest
 
-from jaxscale import topology as T
-from jaxscale.collective_algorithms import Link, flat_ring_time, hierarchical_time
+from jaxscale.comm import topology as T
+from jaxscale.comm.algorithms import Link, flat_ring_time, hierarchical_time
 
 
 def test_flows_follow_the_topology():

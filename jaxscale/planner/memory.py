@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from jaxscale import plan as plan_lib
-from jaxscale.planner import params as params_lib
-from jaxscale.planner.activations import of_spec
+from jaxscale.strategies.tables import params as params_lib
+from jaxscale.strategies.tables.activations import of_spec
 from jaxscale.strategies import fsdp, pp, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.zero import STAGE_OF

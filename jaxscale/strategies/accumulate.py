@@ -48,7 +48,7 @@ def memory(spec) -> list[Term]:
     """The fp32 gradient accumulator, live through the backward and into the update."""
     if not active(spec):
         return []
-    from jaxscale.planner.params import shards
+    from jaxscale.strategies.tables.params import shards
     acc = shards(spec).params * 4
     return [Term("backward", acc, "fp32 gradient accumulator"),
             Term("update", acc, "fp32 gradient accumulator")]

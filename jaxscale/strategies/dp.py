@@ -55,7 +55,7 @@ def _axes(spec, names) -> tuple[str, ...]:
 
 def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
-    from jaxscale.planner.params import leaves
+    from jaxscale.strategies.tables.params import leaves
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
     data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1]
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too

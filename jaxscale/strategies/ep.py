@@ -114,7 +114,7 @@ def memory(spec) -> list[Term]:
     from jaxscale.strategies.fsdp import gather_axes
     if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
         return []
-    from jaxscale.planner.params import leaves
+    from jaxscale.strategies.tables.params import leaves
     local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
     out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
                 "one MoE layer's expert weights, sliced out of the stack")]

@@ -51,7 +51,7 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
-    from jaxscale.planner.params import leaves
+    from jaxscale.strategies.tables.params import leaves
     axes = gather_axes(spec)
     if not axes:
         return []
@@ -106,7 +106,7 @@ def memory(spec) -> list[Term]:
     """One gathered layer of weights and that layer's unreduced gradient, during the backward."""
     if not gather_axes(spec):
         return []
-    from jaxscale.planner.params import shards
+    from jaxscale.strategies.tables.params import shards
     return [Term("backward", 2 * shards(spec).gathered_layer * spec.wire_param_itemsize,
                  "one gathered layer and its unreduced gradient")]
 

@@ -266,7 +266,7 @@ def piece_bytes(spec) -> float:
     On XLA:CPU (one memory: a `device_put` of a slice is no copy) the update writes straight
     into the carry; on a GPU the host-homed parts' new values wait on the device for their copy
     back, one piece more of those parts."""
-    from jaxscale.planner.params import leaves, shards
+    from jaxscale.strategies.tables.params import leaves, shards
     from jaxscale.strategies import zero
     sh = shards(spec)
     moment = 4 if spec.mixed else spec.param_itemsize

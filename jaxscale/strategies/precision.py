@@ -94,8 +94,8 @@ def compute_itemsize(spec) -> int:
 def state_bytes(spec) -> dict[str, float]:
     """Per-device bytes of the model state with Adam: working parameters, gradients, fp32 master
     weights (16-bit policies) and the optimizer moments (`Spec.moments`; fp32 for 16-bit policies), over the elements
-    each part keeps under the plan (`jaxscale.planner.params.shards`: the rules and ZeRO)."""
-    from jaxscale.planner.params import shards
+    each part keeps under the plan (`jaxscale.strategies.tables.params.shards`: the rules and ZeRO)."""
+    from jaxscale.strategies.tables.params import shards
     sh = shards(spec)
     pb = param_itemsize(spec)
     return {"params": sh.params * pb, "grads": sh.grads * pb,

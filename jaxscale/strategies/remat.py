@@ -101,7 +101,7 @@ def collectives(spec) -> list:
 def memory(spec) -> list[Term]:
     """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
     offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`)."""
-    from jaxscale.planner.activations import of_spec
+    from jaxscale.strategies.tables.activations import of_spec
     la = of_spec(spec)
     n = spec.stage_layers
     out = [Term("activations", la.saved * n, f"saved for the backward (remat={spec.remat})")]

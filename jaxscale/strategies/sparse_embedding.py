@@ -71,7 +71,7 @@ def rules(spec, rules) -> None:
 def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
-    from jaxscale.planner.params import leaves
+    from jaxscale.strategies.tables.params import leaves
     n, R, D = spec.deg("dp"), rows(spec), spec.model.dim
     rest = sum(leaf.size for leaf in leaves(spec.model) if leaf.use != "embedding")
     return [Comm("all-reduce", ("dp",), 4 * rest, 1, "the other gradients' mean", group=n,
@@ -105,7 +105,7 @@ def mean(spec, key: str = "embed"):
     import jax
     import jax.numpy as jnp
 
-    from jaxscale.compression import invariant_all_gather
+    from jaxscale.strategies.compression.methods import invariant_all_gather
     n, R = spec.deg("dp"), rows(spec)
 
     def fn(grads, state, batch):

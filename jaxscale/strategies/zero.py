@@ -124,7 +124,7 @@ def collectives(spec) -> list[Comm]:
     z = stage(spec)
     if z not in (1, 2):
         return []
-    from jaxscale.planner.params import shards
+    from jaxscale.strategies.tables.params import shards
     local = shards(spec.with_(zero=0)).params * spec.wire_param_itemsize
     return [Comm("all-gather", (AXIS,), local, 1, "updated parameters, ZeRO-1/2",
                  group=spec.deg(AXIS), overlap=True)]
@@ -135,7 +135,7 @@ def memory(spec) -> list[Term]:
     (the state's own savings are in the state terms: `shard_factor`)."""
     if stage(spec) != 1:
         return []
-    from jaxscale.planner.params import shards
+    from jaxscale.strategies.tables.params import shards
     sh = shards(spec)
     local = (sh.grads if spec.deg("fsdp") > 1 else sh.params) * spec.wire_param_itemsize
     return [Term("update", local, "the all-reduced gradients, ZeRO-1")]

@@ -8,7 +8,7 @@ attention) x tokens/s / (peak FLOP/s per device x devices); the peak comes from
 `jaxscale.hardware` for `mesh.device_kind` and the compute dtype, or from `train.peak_flops`.
 Step times exclude the first step (compilation) from tokens/s.
 
-Checkpoints (`jaxscale.checkpoint`): every `ckpt.every` steps, at the end, and on preemption.
+Checkpoints (`jaxscale.train.checkpoint`): every `ckpt.every` steps, at the end, and on preemption.
 `resume=True` restores the latest finalized checkpoint in the run directory and continues from
 its step; since batch i depends only on (data.seed, i), the resumed run is the uninterrupted run
 (bitwise on the same mesh). metrics.jsonl keeps the rows up to the restored step and the resumed
@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxscale import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, make_batches

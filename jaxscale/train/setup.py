@@ -88,7 +88,7 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     wrapper = remat.block_wrapper(cfg.plan.remat)
     teacher = None
     if cfg.train.teacher:              # distillation: the frozen teacher, restored in shards
-        from jaxscale import distill
+        from jaxscale.train import distill
         teacher = distill.load(cfg, placement, pol)
     train_fn = step_lib.make_train_step(model, optimizer, schedule, placement, pol, lay, dev_sh,
                                         host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper,

@@ -143,7 +143,7 @@ def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayo
 
     def kind(part):
         return None if on_device else memory_kind(part, lay.offload)
-    from jaxscale.strategies import compression, local_sgd, quant
+    from jaxscale.strategies import compression, local_sgd, qat
     opt_target = lay.specs.shards if (lay.master or lay.zero) else lay.specs.params
     state_opt = local_sgd.state_optimizer(placement.spec, optimizer)   # local SGD: the outer one
     abstract_opt = jax.eval_shape(state_opt.init, model.abstract_params)
@@ -161,11 +161,11 @@ def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayo
         master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None,
         comm=jax.tree.map(lambda _: placement.sharding(("batch",)), comm),
-        quant=jax.tree.map(lambda _: rep, quant.init_state(placement.spec)))
+        quant=jax.tree.map(lambda _: rep, qat.init_state(placement.spec)))
 
 
 def _fresh(model, optimizer, policy, key, spec=None) -> TrainState:
-    from jaxscale.strategies import compression, local_sgd, quant
+    from jaxscale.strategies import compression, local_sgd, qat
     from jaxscale.strategies.precision import cast_tree, init_loss_scale
     master = model.init(key)                     # initialised in fp32
     params = cast_tree(master, policy.param_dtype) if policy.master else master
@@ -176,7 +176,7 @@ def _fresh(model, optimizer, policy, key, spec=None) -> TrainState:
                       loss_scale=init_loss_scale(policy),
                       comm=comm if comm is not None else local_sgd.init_state(spec, master,
                                                                               optimizer),
-                      quant=quant.init_state(spec))
+                      quant=qat.init_state(spec))
 
 
 def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,
@@ -191,7 +191,7 @@ def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,
     """Create the train state directly in its shards (and memory kinds), its stacked layers in
     the plan's stored order (`strategies.pp.layer_order`)."""
     from jaxscale.strategies.pp import layer_order
-    from jaxscale.train.pipeline import reorder
+    from jaxscale.strategies.pp.engine import reorder
     order = layer_order(placement.spec)
 
     def fresh(k):

@@ -23,7 +23,7 @@ replica (`TrainState.comm`), and every H-th step the average into the anchor (`p
 
 With `plan.qat=fp8` (delayed scaling) the per-layer fp8 scales from `TrainState.quant` go into
 the grads function, the amaxes the matmuls saw come out beside the gradients (as the scales'
-cotangent, `jaxscale.qat`), and the step rolls them into the histories.
+cotangent, `jaxscale.strategies.qat.numerics`), and the step rolls them into the histories.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxscale import qat
+from jaxscale.strategies.qat import numerics
 from jaxscale.axes import use_rules
 from jaxscale.strategies import accumulate, compression, offload, overlap, pp, sp
 from jaxscale.strategies.precision import (cast_tree, keep_if_finite, update_if_finite,
@@ -69,7 +69,7 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
                   layout: Callable | None = None, with_stats: bool = False, distill=None):
     """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens), over k micro-batches
     (`with_stats`: and a dict of the mixture-of-experts metrics, `MOE_METRICS`; {} if dense).
-    `distill` (`jaxscale.distill.Teacher`): the grads_fn takes the teacher's parameters as a
+    `distill` (`jaxscale.train.distill.Teacher`): the grads_fn takes the teacher's parameters as a
     fourth argument and optimises a T^2 KL(teacher || student) + (1 - a) CE per token
     (`Teacher.objective`); the reported `loss` stays the cross entropy, `distill_kd` the KL term.
 
@@ -111,7 +111,7 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
         reg_tokens = jnp.sum(batch["mask"].astype(jnp.float32)) / k if moe else None
         fn = lambda p, b: sum_loss(p, b, scale / slots, reg_tokens, teacher)  # noqa: E731
         if quant is not None:   # fp8 delayed scaling: per-layer scales in, their amaxes out
-            fn, params = qat.probing(fn), (params, quant)
+            fn, params = numerics.probing(fn), (params, quant)
         grads, (total, ntok, *rest) = accumulate.grads(
             fn, params, batch, k, combine=None if quant is None else (jnp.add, jnp.maximum))
         amax = None
@@ -130,7 +130,7 @@ def make_grads_fn(model: FunctionalModel, k: int = 1, block_wrapper: Callable | 
         if distill is not None:
             stats["distill_kd"] = kd / jnp.where(ntok > 0, ntok, 1.0)
         if amax is not None:
-            stats[qat.AMAX] = amax
+            stats[numerics.AMAX] = amax
         return grads, loss, ntok, stats
     return grads_fn
 
@@ -147,8 +147,8 @@ def plan_grads_fn(model: FunctionalModel, placement, k: int = 1,
     """`make_grads_fn` for the plan: through the pipeline engine when mesh.pp > 1 (its k
     micro-batches are the schedule's m), with context parallelism's token layout when sp > 1."""
     if pp.active(placement.spec):
-        from jaxscale.train import pipeline
-        fn = pipeline.make_grads_fn(model, placement, block_wrapper)
+        from jaxscale.strategies.pp import engine
+        fn = engine.make_grads_fn(model, placement, block_wrapper)
         return fn if with_stats else (lambda *a: fn(*a)[:3])
     return make_grads_fn(model, k, block_wrapper, sp.batch_layout(placement.spec), with_stats,
                          distill)
@@ -191,14 +191,14 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
                 grads, loss, ntok, moe_stats, comm = compressed(params, batch, jnp.asarray(
                     scale, jnp.float32), state.comm, *teacher)
             else:
-                fp8 = {} if state.quant is None else {"quant": qat.scales(state.quant)}
+                fp8 = {} if state.quant is None else {"quant": numerics.scales(state.quant)}
                 grads, loss, ntok, moe_stats = grads_fn(params, batch, scale, *teacher, **fp8)
                 comm = state.comm
-            amax = moe_stats.pop(qat.AMAX, None)      # fp8 QAT: the amaxes the matmuls saw
+            amax = moe_stats.pop(numerics.AMAX, None)      # fp8 QAT: the amaxes the matmuls saw
             grads = jax.lax.with_sharding_constraint(grads, grads_sh)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            quant = state.quant if amax is None else qat.update_history(state.quant, amax, finite)
+            quant = state.quant if amax is None else numerics.update_history(state.quant, amax, finite)
             if comm is not None:        # a skipped step keeps its error-feedback residual too
                 comm = keep_if_finite(finite, comm, state.comm)
 
@@ -260,8 +260,8 @@ def make_train_step(model: FunctionalModel, optimizer, schedule, placement, poli
 def make_eval_step(model: FunctionalModel, placement, device_param_sh):
     layout = sp.batch_layout(placement.spec)
     if pp.active(placement.spec):
-        from jaxscale.train import pipeline
-        loss_fn = pipeline.make_grads_fn(model, placement, forward_only=True)
+        from jaxscale.strategies.pp import engine
+        loss_fn = engine.make_grads_fn(model, placement, forward_only=True)
 
         def pipelined(params, batch):
             with use_rules(placement.mesh, placement.rules):

@@ -1,0 +1,257 @@
+"""Local SGD over `dp`: replicas that train apart for H steps, then average (`jaxscale.strategies.local_sgd.averaging`).
+
+`plan.local_sgd=local|post_local|slowmo|diloco`, `plan.local_steps` (H), `plan.local_warmup`
+(post_local: synchronous steps first), `plan.outer_lr`, `plan.outer_momentum` (0 and -1: the
+method's: local and post_local 1 and 0, SlowMo 1 and 0.5 heavy ball, DiLoCo 0.7 and 0.9 Nesterov).
+
+The step runs in `jax.shard_map` over dp: each device takes its rows of the batch, its own fp32
+copy of the parameters and its own inner optimizer state (the plan's `optim`), and updates them
+with no collective on the way; every H-th step (a `lax.switch` branch) one all-reduce of the fp32
+parameter changes averages them, the outer optimizer moves the anchor and the replicas restart
+from it. post_local's warmup steps take a third branch, DP's step: the token-mean gradient
+all-reduced, the same update on every replica (AdamW's state included), no average needed.
+Collectives per step: that all-reduce, 4 Psi bytes once every H steps (on average 4 Psi / H),
+plus one small all-reduce of the step's metrics (loss x tokens, tokens, gradient norm, non-finite
+flag: 16 bytes) that no local update waits for; post_local's warmup moves DP's 4 Psi a step.
+Saves: H times fewer bytes than DP's gradient all-reduce, and H times fewer latencies (the link
+can be slow: across data centres for DiLoCo). Costs: the replicas drift apart between averages
+(convergence per step suffers as H grows; the outer momentum buys some back), and memory.
+Memory per device: the anchor (`TrainState.params`, and `master` with 16-bit policies: what
+eval, checkpoints and exports read), the replica (fp32, 4 Psi) and its inner optimizer state
+(`TrainState.comm`, [dp, ...] sharded over dp), and the outer momentum (4 Psi, replicated;
+`TrainState.opt_state`, empty for plain averaging). Between averages the anchor is the model of
+the last average; the reported loss is the replicas' token-mean loss on their own rows, and the
+gradient norm the mean of the replicas' norms. A replica whose step is not finite keeps its state
+(its own decision: no collective before a local update); loss scaling halves if any overflowed.
+
+Runs on data-parallel plans over `dp` alone (ZeRO 0, no compression, no offload): each replica
+holds the whole model.
+"""
+from __future__ import annotations
+
+from jaxscale.strategies.common import Comm, Term, dp_only
+
+NAME = "local_sgd"
+AVAILABLE = True
+METHODS = ("local", "post_local", "slowmo", "diloco")
+#: (outer lr, outer momentum, Nesterov) by method
+DEFAULTS = {"local": (1.0, 0.0, False), "post_local": (1.0, 0.0, False),
+            "slowmo": (1.0, 0.5, False), "diloco": (0.7, 0.9, True)}
+#: floats of the step's metrics all-reduce (loss x tokens, tokens, gradient norm, non-finite)
+METRICS = 4
+
+
+def active(spec) -> bool:
+    return spec.local_sgd != "none"
+
+
+def hparams(spec) -> tuple[float, float, bool]:
+    """(outer lr, outer momentum, Nesterov) of the plan: its options, else the method's."""
+    lr, mom, nesterov = DEFAULTS[spec.local_sgd]
+    return (spec.outer_lr if spec.outer_lr > 0 else lr,
+            spec.outer_momentum if spec.outer_momentum >= 0 else mom, nesterov)
+
+
+def problems(spec) -> list[str]:
+    if not active(spec):
+        return []
+    if spec.local_sgd not in METHODS:
+        return [f"plan.local_sgd={spec.local_sgd!r}: valid are none, {', '.join(METHODS)}"]
+    m, errs = spec.local_sgd, []
+    if spec.local_steps < 1:
+        errs.append(f"plan.local_steps={spec.local_steps}: the replicas average every H >= 1 "
+                    f"steps; use plan.local_steps=1 (every step) or more")
+    if spec.deg("dp") == 1:
+        errs.append(f"plan.local_sgd={m} trains replicas over mesh.dp, but mesh.dp=1: give the "
+                    f"devices to dp (e.g. mesh.dp=8), or set plan.local_sgd=none")
+    errs += dp_only(spec, "plan.local_sgd", "each replica holds the whole model",
+                    "plan.local_sgd=none")
+    if spec.zero >= 1:
+        errs.append(f"plan.local_sgd keeps each replica's optimizer state whole on its device, "
+                    f"not the shards ZeRO-{spec.zero} keeps: use plan.zero=0")
+    if spec.compression != "none":
+        errs.append(f"plan.local_sgd replaces the gradient all-reduce that plan.compression="
+                    f"{spec.compression} compresses: set plan.compression=none (or "
+                    f"plan.local_sgd=none)")
+    if spec.offload != "none":
+        errs.append(f"plan.local_sgd updates the replicas on the device: set plan.offload=none "
+                    f"(not {spec.offload})")
+    off = {"prune": "none", "sparse_embedding": False, "qat": "none"}
+    steps = [f"plan.{k}={getattr(spec, k)}" for k, v in off.items() if getattr(spec, k) != v]
+    if steps:
+        errs.append(f"plan.local_sgd runs its own step, which does not apply {', '.join(steps)}: "
+                    f"turn it off, or set plan.local_sgd=none")
+    if m == "post_local" and spec.local_warmup < 1:
+        errs.append("plan.local_sgd=post_local needs plan.local_warmup >= 1 synchronous steps "
+                    "before it goes local (or use plan.local_sgd=local)")
+    if m != "post_local" and spec.local_warmup > 0:
+        errs.append(f"plan.local_warmup={spec.local_warmup} applies to plan.local_sgd=post_local "
+                    f"only: set it to 0, or use post_local")
+    if m in ("local", "post_local") and (spec.outer_lr not in (0, 1) or spec.outer_momentum > 0):
+        errs.append(f"plan.local_sgd={m} averages the replicas (outer lr 1, momentum 0): for an "
+                    f"outer learning rate or momentum use plan.local_sgd=slowmo or diloco")
+    return errs
+
+
+def rules(spec, rules) -> None:
+    """Local SGD adds no sharding rule: replicas live on their dp rows (`TrainState.comm`)."""
+
+
+def collectives(spec) -> list[Comm]:
+    """Per step on average: 1/H of one fp32 all-reduce of the parameters, and the metrics."""
+    if not active(spec):
+        return []
+    n, H = spec.deg("dp"), max(1, spec.local_steps)
+    return [Comm("all-reduce", ("dp",), 4 * spec.model.param_count() / H, 1,
+                 f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of it)",
+                 group=n),
+            Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
+                 "the step's metrics: loss x tokens, tokens, gradient norm, non-finite flag"
+                 + (", the 3 router metrics" if spec.moe else ""),
+                 group=n)]
+
+
+def memory(spec) -> list[Term]:
+    """The replica's fp32 parameters beside the anchor, and the outer momentum (if any); the
+    replica's inner optimizer state is the size of the plan's optimizer state (counted there)."""
+    if not active(spec):
+        return []
+    size, (_, mom, _) = spec.model.param_count(), hparams(spec)
+    out = [Term("params", 4 * size, "this device's replica of the parameters (fp32)")]
+    if mom > 0:
+        out.append(Term("optimizer", 4 * size, "outer momentum (fp32)"))
+    return out
+
+
+def label(spec) -> list[str]:
+    return [f"{spec.local_sgd}-H{spec.local_steps}"] if active(spec) else []
+
+
+def branch_share(spec) -> list[float]:
+    """How often each branch of the step's `lax.switch` runs (inner step; inner step and
+    average; post_local's synchronous step) after the warmup: what `hlo.Module` weighs the census
+    and FLOPs by."""
+    H = max(1, spec.local_steps)
+    return [1 - 1 / H, 1 / H] + ([0.0] if spec.local_warmup > 0 else [])
+
+
+# ----------------------------------------------------------------------------- the step side
+def state_optimizer(spec, optimizer):
+    """The optimizer whose state is `TrainState.opt_state`: the outer one under local SGD (the
+    inner optimizer's state is per replica, in `TrainState.comm`), else `optimizer`."""
+    if spec is None or not active(spec):
+        return optimizer
+    from jaxscale.strategies.local_sgd import averaging
+    return averaging.outer_optimizer(*hparams(spec))
+
+
+def init_state(spec, params, optimizer):
+    """{"params": replicas, "opt_state": their inner optimizer states}, [dp, ...] leaves (each
+    replica a copy of `params` in fp32), or None without local SGD."""
+    if spec is None or not active(spec):
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    from jaxscale.strategies.local_sgd import averaging
+    rep = {"params": jax.tree.map(lambda a: a.astype(jnp.float32), params)}
+    rep["opt_state"] = optimizer.init(rep["params"])
+    return averaging.stack(rep, spec.deg("dp"))
+
+
+def make_train_step(model, optimizer, schedule, placement, policy, k: int = 1,
+                    block_wrapper=None):
+    """The train step of a local-SGD plan (`step.make_train_step`'s contract): (state, batch) ->
+    (state, metrics), all of it in one `jax.shard_map` over dp (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxscale.strategies.local_sgd import averaging
+    from jaxscale.axes import suspended, use_rules
+    from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
+    from jaxscale.train.state import TrainState
+    from jaxscale.train.step import MOE_METRICS, plan_grads_fn
+    spec, mesh = placement.spec, placement.mesh
+    moe = MOE_METRICS if model.cfg.moe_experts > 0 else ()
+    n, H, warmup = spec.deg("dp"), spec.local_steps, spec.local_warmup
+    outer = averaging.outer_optimizer(*hparams(spec))
+    grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True)
+
+    def body(step, anchor, outer_state, comm, batch, scale):
+        """One device: its replica's inner step, then (every H-th step) the average; in
+        post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`)."""
+        rep, opt = jax.tree.map(lambda a: a[0], (comm["params"], comm["opt_state"]))
+        with suspended():
+            work = cast_tree(rep, policy.param_dtype) if policy.master else rep
+            grads, loss, ntok, stats = grads_fn(work, batch, scale)
+        norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        # the metrics, for logging and loss scaling: no local update waits for them
+        sums = jax.lax.psum(jnp.stack([loss * ntok, ntok, norm, (~finite).astype(jnp.float32)]
+                                      + [stats[s] for s in moe]), "dp")
+
+        def update(grads, norm, finite, rep, opt):
+            updates, new_opt = optimizer.update(grads, opt, rep, grad_norm=norm)
+            return (keep_if_finite(finite, optax.apply_updates(rep, updates), rep),
+                    keep_if_finite(finite, new_opt, opt))
+
+        def local(args):                        # 0: the replica's own step
+            anchor, outer_state, rep, opt = args
+            return (anchor, outer_state) + update(grads, norm, finite, rep, opt)
+
+        def local_then_average(args):           # 1: and the average into the anchor
+            anchor, outer_state, rep, opt = local(args)
+            new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n)
+            return new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt
+
+        def synchronous(args):                  # 2: DP's step: the token-mean gradient of all
+            anchor, outer_state, rep, opt = args
+            total = jnp.where(sums[1] > 0, sums[1], 1.0)
+            mean = jax.tree.map(lambda g: jax.lax.psum(g * ntok, "dp") / total, grads)
+            mnorm = optax.tree.norm(mean)
+            rep, opt = update(mean, mnorm, jnp.isfinite(mnorm) & (sums[3] == 0), rep, opt)
+            return (jax.tree.map(lambda a, r: r.astype(a.dtype), anchor, rep), outer_state,
+                    rep, opt)       # every replica took the same step: no average needed
+
+        branch = averaging.is_sync(step, H, warmup).astype(jnp.int32)
+        branches = [local, local_then_average]
+        if warmup:
+            branch = jnp.where(step < warmup, 2, branch)
+            branches.append(synchronous)
+        anchor, outer_state, rep, opt = jax.lax.switch(branch, branches,
+                                                       (anchor, outer_state, rep, opt))
+        comm = jax.tree.map(lambda a: a[None], {"params": rep, "opt_state": opt})
+        return anchor, outer_state, comm, sums
+
+    def train_step(state: TrainState, batch):
+        with use_rules(mesh, placement.rules):
+            scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
+            anchor = state.master if policy.master else state.params
+            rows = jax.tree.map(lambda _: P("dp"), batch)
+            rep_specs = jax.tree.map(lambda _: P("dp"), state.comm)
+            same = lambda t: jax.tree.map(lambda _: P(), t)
+            anchor, outer_state, comm, sums = jax.shard_map(
+                body, mesh=mesh, check_vma=False,
+                in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P()),
+                out_specs=(same(anchor), same(state.opt_state), rep_specs, P()))(
+                state.step, anchor, state.opt_state, state.comm, batch,
+                jnp.asarray(scale, jnp.float32))
+        tokens = sums[1]
+        finite = sums[3] == 0
+        new_state = TrainState(
+            step=state.step + 1,
+            params=cast_tree(anchor, policy.param_dtype) if policy.master else anchor,
+            opt_state=outer_state, master=anchor if policy.master else None,
+            loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval),
+            comm=comm)
+        metrics = {"loss": sums[0] / jnp.where(tokens > 0, tokens, 1.0), "grad_norm": sums[2] / n,
+                   "lr": schedule(state.step), "tokens": tokens,
+                   "skipped": (~finite).astype(jnp.int32)}
+        metrics.update({s: sums[METRICS + i] / n for i, s in enumerate(moe)})
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale["scale"]
+        return new_state, metrics
+
+    return train_step

@@ -1,0 +1,243 @@
+"""Overlapping communication with computation: collective matmul for tensor parallelism
+(`plan.tp_overlap`) and XLA scheduler presets (`plan.xla_preset`).
+
+`plan.tp_overlap=collective_matmul` (or `collective_matmul_bidirectional`) runs the
+tensor-parallel matmuls of a block as collective matmuls (`jaxscale.strategies.overlap.collective_matmul`) inside
+`jax.shard_map` over the whole mesh: the column-parallel q, k, v, gate and up projections as
+all-gather-matmuls of the sequence-parallel residual stream, the row-parallel o and down
+projections as matmul-reduce-scatters back to it. It needs Megatron sequence parallelism
+(`plan.sequence_parallel=true`): that is what makes the block's collectives an all-gather
+before and a reduce-scatter after the matmuls, which the ring hops replace. The LM head stays
+GSPMD's (a vocabulary-parallel matmul, not a sequence gather).
+
+Collectives, per layer and micro-batch, with bsh the [micro-batch, sequence, dim] activation
+and t = mesh.tp: every ring is t-1 `collective-permute`s of one bsh/t chunk (the bytes a ring
+all-gather or reduce-scatter of bsh puts on each link), and the block runs 13 of them where
+GSPMD runs 6 all-gathers and 7 reduce-scatters: forward, the attention and MLP inputs'
+gathering rings (q, k and v run identical rings, which XLA merges into one; gate and up too)
+and the o and down scattering rings; backward, the two gathering rings again for the weight
+gradients (nothing inside the collective matmul is kept, as GSPMD re-gathers the norm outputs:
+the same activation memory), and one ring per matmul for its input gradient (5 + 2: the
+backward of a permute is the reverse permute). A rematerialised block also replays the o ring
+unless it keeps `o_proj` (its replayed input rings are the weight gradients' rings, merged).
+Same wire bytes and memory as GSPMD's sequence parallelism; what it buys is that every hop has
+an independent partial matmul to hide under, where GSPMD's all-gather must finish before its
+matmul starts and its reduce-scatter cannot start before the matmul ends
+(`experiments/11_overlap.py` measures both from the scheduled HLO). What it costs: t smaller
+matmuls in place of one.
+
+`plan.xla_preset` names a set of XLA compiler options for the train step (`XLA_PRESETS`, passed
+to `jax.jit(compiler_options=...)`, so no environment flag has to be set before the backend
+starts, and the installed jaxlib rejects a misspelled option by name). `xla_gpu_*` options only
+act on XLA:GPU; XLA:CPU runs collectives synchronously on its own thread pool and has one
+scheduler option (`xla_cpu_enable_concurrency_optimized_scheduler`).
+"""
+from __future__ import annotations
+
+from jaxscale.hooks.projection import plain, register
+from jaxscale.strategies.common import Comm
+
+NAME = "overlap"
+AVAILABLE = True
+MODES = ("none", "collective_matmul", "collective_matmul_bidirectional")
+#: the column-parallel sites (gather the residual stream, split the output features) and the
+#: row-parallel ones (contract split features, scatter back to the residual stream)
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW = ("wo", "w_down")
+#: distinct inputs the column-parallel sites gather: the attention norm's and the MLP norm's
+INPUT_RINGS = 2
+
+_LHS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_enable_highest_priority_async_stream": True,
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_pipelined_all_reduce": True,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+        "xla_cpu_enable_concurrency_optimized_scheduler": True}
+_BUCKET = 256 << 20
+#: preset -> XLA compiler options (GPU-only unless `xla_cpu_`)
+XLA_PRESETS: dict[str, dict] = {
+    # XLA's defaults for the backend
+    "default": {},
+    # the latency-hiding scheduler (async collectives moved as early / late as their data
+    # allows), collectives of the next and previous loop iteration pipelined into this one
+    "latency_hiding": dict(_LHS),
+    # plus gradient bucketing: collectives combined up to 256 MiB each
+    "bucketed": {**_LHS, "xla_gpu_all_reduce_combine_threshold_bytes": _BUCKET,
+                 "xla_gpu_all_gather_combine_threshold_bytes": _BUCKET,
+                 "xla_gpu_reduce_scatter_combine_threshold_bytes": _BUCKET},
+    # no combining: one collective per tensor (to measure what bucketing buys)
+    "unbucketed": {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
+                   "xla_gpu_all_gather_combine_threshold_bytes": 0,
+                   "xla_gpu_reduce_scatter_combine_threshold_bytes": 0},
+    # XLA:GPU's own collective matmul: the SPMD partitioner loops all-gather/reduce-scatter
+    # einsums into windowed einsums above the threshold (0 MiB: all of them)
+    "windowed_einsum": {**_LHS, "xla_gpu_threshold_for_windowed_einsum_mib": 0,
+                        "xla_gpu_multi_streamed_windowed_einsum": True},
+}
+
+
+def compiler_options(preset: str) -> dict:
+    """The XLA compiler options of a preset (`XLA_PRESETS`); {} for `default`."""
+    if preset not in XLA_PRESETS:
+        raise ValueError(f"plan.xla_preset={preset!r}: valid are {', '.join(XLA_PRESETS)}")
+    return dict(XLA_PRESETS[preset])
+
+
+def gpu_only(preset: str) -> list[str]:
+    """The options of a preset that only XLA:GPU acts on."""
+    return [k for k in compiler_options(preset) if k.startswith("xla_gpu_")]
+
+
+def active(spec) -> bool:
+    return spec.tp_overlap != "none"
+
+
+def bidirectional(spec) -> bool:
+    return spec.tp_overlap == "collective_matmul_bidirectional"
+
+
+def problems(spec) -> list[str]:
+    errs = []
+    if spec.xla_preset not in XLA_PRESETS:
+        errs.append(f"plan.xla_preset={spec.xla_preset!r}: valid are {', '.join(XLA_PRESETS)}")
+    if spec.tp_overlap not in MODES:
+        errs.append(f"plan.tp_overlap={spec.tp_overlap!r}: valid are {', '.join(MODES)}")
+    if not active(spec):
+        return errs
+    opt = f"plan.tp_overlap={spec.tp_overlap}"
+    if spec.deg("tp") == 1:
+        errs.append(f"{opt} decomposes the tensor-parallel collectives over mesh.tp, but "
+                    f"mesh.tp=1: set mesh.tp > 1, or plan.tp_overlap=none")
+    elif not spec.sequence_parallel:
+        errs.append(f"{opt} replaces the all-gather / reduce-scatter pairs of Megatron sequence "
+                    f"parallelism: set plan.sequence_parallel=true (without it the row-parallel "
+                    f"outputs are all-reduced, which no ring of sequence chunks replaces)")
+    if spec.deg("pp") > 1:
+        errs.append(f"{opt} runs its matmuls in a shard_map over the whole mesh, which the "
+                    f"pipeline's shard_map over pp cannot hold: set mesh.pp=1 or "
+                    f"plan.tp_overlap=none")
+    if spec.deg("fsdp") > 1:
+        errs.append(f"{opt} with mesh.fsdp={spec.deg('fsdp')}: the collective matmul takes "
+                    f"its weights split over tp only, so FSDP-sharded weights would have to be "
+                    f"gathered inside its shard_map and their gradients reduce-scattered there, "
+                    f"not by GSPMD as fsdp's formulas and the ZeRO layouts assume (not "
+                    f"implemented); put the data-parallel degree on mesh.dp, or set "
+                    f"plan.tp_overlap=none")
+    if spec.moe:
+        errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
+                    f"not through the collective matmul: set model.moe_experts=0 or "
+                    f"plan.tp_overlap=none")
+    return errs        # with plan.qat (the other projection) refused by quant.problems
+
+
+def rules(spec, rules) -> None:
+    if active(spec):
+        rules.set_projection(spec.tp_overlap, by=f"plan.tp_overlap={spec.tp_overlap}")
+
+
+def rings_per_layer(spec) -> tuple[int, int]:
+    """(forward rings, backward rings) per layer and micro-batch (see the module docstring):
+    forward, one per gathered input and one per row-parallel matmul; backward, the input rings
+    again for the weight gradients and one per matmul for its input gradient, plus the o ring
+    a rematerialised block replays unless it keeps `o_proj`."""
+    from jaxscale.strategies.remat import actions, parse
+    bwd = INPUT_RINGS + len(COLUMN) + len(ROW)
+    if parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat":
+        bwd += 1
+    return INPUT_RINGS + len(ROW), bwd
+
+
+def collectives(spec) -> list[Comm]:
+    if not active(spec) or spec.deg("tp") == 1 or not spec.sequence_parallel:
+        return []
+    from jaxscale.strategies.tp import _activation_bytes
+    t, L, k = spec.deg("tp"), spec.stage_layers, max(1, spec.accumulate)
+    chunk = _activation_bytes(spec) / t
+    fwd, bwd = rings_per_layer(spec)
+    n = (fwd + bwd) * (t - 1) * L * k
+    return [Comm("collective-permute", ("tp",), n * chunk, n,
+                 f"collective matmul: t-1 hops of a bsh/t chunk per ring; per layer {fwd} "
+                 f"rings forward (attention and MLP inputs gathered, o and down scattered), "
+                 f"{bwd} backward (the inputs again for dW, each matmul's input gradient"
+                 + (", the o replay" if bwd > INPUT_RINGS + len(COLUMN) + len(ROW) else "")
+                 + ")", group=t, overlap=True)]
+
+
+def memory(spec) -> list:
+    """Nothing beyond GSPMD's sequence parallelism is kept between forward and backward; the
+    backward holds one gathered input (bsh) while it replays its ring for the weight gradients,
+    where GSPMD holds the all-gathered one."""
+    return []
+
+
+def label(spec) -> list[str]:
+    out = [spec.tp_overlap.replace("_", "-")] if active(spec) else []
+    return out + ([f"xla-{spec.xla_preset}"] if spec.xla_preset != "default" else [])
+
+
+# ----------------------------------------------------------------------------- the JAX side
+def _seq_dim(names, logical: str, spec, site: str, what: str) -> int:
+    """The dimension of `logical` in an operand, which must end in tp (and only there)."""
+    if logical not in names:
+        raise ValueError(f"collective matmul at {site}: its {what} has no {logical!r} axis "
+                         f"(logical axes {names})")
+    d = names.index(logical)
+    axes = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
+    if axes[-1:] != ("tp",):
+        raise ValueError(f"collective matmul at {site}: its {what} {names} is sharded {spec}, "
+                         f"not over tp on {logical!r}: set plan.sequence_parallel=true")
+    return d
+
+
+def _project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
+    """`project` for the block's column- and row-parallel sites as collective matmuls in a
+    `shard_map` over the whole mesh; the other sites (the LM head) as GSPMD's einsum."""
+    if site not in COLUMN + ROW:
+        return plain(eq, x, w, **kw)
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxscale.strategies.overlap import collective_matmul as cm
+    from jaxscale.axes import suspended
+
+    xn, wn, on = names
+    x_spec, w_spec, o_spec = (tuple(rules.spec(n)) for n in names)
+    if site in COLUMN:
+        x_seq = _seq_dim(xn, "norm_seq", x_spec, site, "input")
+        out_seq = on.index("seq")
+    else:
+        out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
+        x_seq = xn.index("seq")
+    if any(ax not in (None, "tp") for ax in w_spec):
+        raise ValueError(f"collective matmul at {site}: the weight {wn} is sharded {w_spec}; "
+                         f"only tp may split it (plan.tp_overlap refuses mesh.fsdp > 1)")
+    fn = cm.allgather_matmul if site in COLUMN else cm.matmul_reduce_scatter
+
+    # the weight is the same on every data-parallel device: mark it varying there once, so its
+    # gradient is summed over those axes once (not once per partial matmul of the ring)
+    spread = tuple(a for a in mesh.axis_names if a != "tp" and any(
+        a == ax or (isinstance(ax, tuple) and a in ax) for ax in x_spec))
+
+    def body(x_local, w_local):
+        if spread:
+            w_local = lax.pcast(w_local, spread, to="varying")
+        with suspended():       # per-device shards: no global sharding rules inside
+            return fn(eq, x_local, w_local, "tp", x_seq=x_seq, out_seq=out_seq,
+                      bidirectional=bidirectional, **kw)
+
+    # nothing inside is kept for the backward: it re-runs the input's ring for the weight
+    # gradient (as GSPMD re-gathers it), so the chunks, and the weight marked varying, are
+    # never stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical
+    # and XLA keeps one of each, forward and replayed
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(*w_spec)),
+                        out_specs=P(*o_spec))
+    return run(x, w.astype(x.dtype))
+
+
+register("collective_matmul")(_project)
+register("collective_matmul_bidirectional")(
+    lambda *a, **kw: _project(*a, bidirectional=True, **kw))

@@ -1,0 +1,173 @@
+"""Pipeline parallelism over the `pp` mesh axis: layers split into stages, micro-batches in flight.
+
+Rules: `layers -> pp`. The batch is split into m micro-batches (`plan.accumulate`), run through
+the stages by a schedule (`plan.schedule`, `jaxscale.strategies.pp.schedules`): naive (one micro-batch
+at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v virtual
+stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
+weight-gradient work, arXiv 2401.10241); the engine that runs it is `jaxscale.strategies.pp.engine`.
+Saves: weights, gradients and optimizer state split p ways. Costs: the bubble, idle time
+relative to the ideal compute, (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a
+third of 1F1B's for ZB-H1 (T_F = T_B = T_W; in this engine W repeats the in-stage backward
+chain, counted in the FLOPs); activations of several micro-batches in flight on a device (the
+engine's residual slots: m for GPipe, p for 1F1B). Collectives: per tick of the engine one
+activation forward and one gradient backward, point to point (collective-permute over `pp`);
+one fp32 all-reduce over `pp` of the embedding, final norm and head gradients.
+"""
+from __future__ import annotations
+
+from jaxscale.strategies.pp.schedules import NAMES
+from jaxscale.strategies.common import Comm, Term
+
+NAME = "pp"
+AVAILABLE = True
+SCHEDULES = NAMES
+
+
+def virtual(spec) -> int:
+    return spec.virtual_stages if spec.schedule == "interleaved" else 1
+
+
+def in_flight(spec) -> float:
+    """Micro-batches whose activations (residuals) a device holds at its peak, in units of its
+    whole share of the layers: the engine's residual slots (`train.pipeline.Program`) over v."""
+    if spec.deg("pp") == 1:
+        return 1.0
+    from jaxscale.strategies.pp.engine import program_for
+    return program_for(spec).slots["res"] / virtual(spec)
+
+
+def bubble_fraction(spec) -> float:
+    """Pipeline idle time relative to the ideal (bubble-free) compute time."""
+    p, m = spec.deg("pp"), max(1, spec.accumulate)
+    if p == 1:
+        return 0.0
+    from jaxscale.strategies.pp.schedules import formula_bubble
+    b = formula_bubble(spec.schedule, p, m, virtual(spec), validate=False)
+    return b / (1 - b)        # idle / makespan -> idle / compute: (p - 1) / m for 1F1B
+
+
+def layer_order(spec) -> list[int] | None:
+    """Stored row -> model layer of the stacked layers under this plan; None for the model's
+    own order. Interleaving (v > 1) stores device d's chunks c = 0..v-1 (stages c p + d) in its
+    contiguous share of rows, so the layers axis can stay a plain split over pp."""
+    p, v = spec.deg("pp"), virtual(spec)
+    if p == 1 or v == 1:
+        return None
+    per = spec.model.n_layers // (p * v)
+    return [(c * p + d) * per + i for d in range(p) for c in range(v) for i in range(per)]
+
+
+def active(spec) -> bool:
+    return spec.deg("pp") > 1
+
+
+def problems(spec) -> list[str]:
+    """What no pipeline can run: an invalid schedule for (p, m, v), more stages than layers."""
+    p, errs = spec.deg("pp"), []
+    if p == 1:
+        return errs
+    from jaxscale.strategies.pp import schedules as ps
+    try:
+        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages)
+    except ValueError as e:
+        errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
+    stages = p * virtual(spec)
+    if spec.model.n_layers < stages:
+        errs.append(f"model.n_layers={spec.model.n_layers} is fewer than the {stages} pipeline "
+                    f"stages: lower mesh.pp or plan.virtual_stages")
+    return errs
+
+
+def runnable(spec) -> list[str]:
+    """What the engine (`train.pipeline`) cannot run yet, though the planner models it (uneven
+    stages hold ceil(L / p) layers there, as published layouts such as Llama 3 405B's do)."""
+    p, errs = spec.deg("pp"), []
+    if p == 1:
+        return errs
+    from jaxscale.strategies.pp import schedules as ps
+    try:
+        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages,
+                 spec.model.n_layers)
+    except ValueError as e:
+        errs.append(str(e))
+    if not spec.model.scan_layers:
+        errs.append("mesh.pp>1 splits the stacked layers: set model.scan_layers=true")
+    for what, bad in (("sequence or context parallelism (mesh.sp>1)", spec.deg("sp") > 1),
+                      ("expert parallelism (mesh.ep>1)", spec.deg("ep") > 1),
+                      ("a mixture-of-experts model", spec.moe),
+                      ("plan.remat=offload", spec.remat == "offload"),
+                      ("host offload (plan.offload)", spec.offload != "none")):
+        if bad:
+            errs.append(f"mesh.pp={p} with {what} is not supported yet: set mesh.pp=1, or drop "
+                        f"{what.split(' (')[0]}")
+    return errs
+
+
+def rules(spec, rules) -> None:
+    if active(spec):
+        rules.add("layers", "pp", by="pp")
+
+
+def collectives(spec) -> list[Comm]:
+    """Per tick of the engine's loop (`train.pipeline`), one activation forward and one gradient
+    backward (sent in every tick, zeros when a device has nothing to send); at the end, the
+    gradients of the weights outside the layers (embedding, final norm, head: replicated over pp,
+    each used on one stage) summed over pp in fp32."""
+    p = spec.deg("pp")
+    if p == 1:
+        return []
+    from jaxscale.strategies.tables.params import leaves
+    from jaxscale.strategies.pp.engine import program_for
+    prog = program_for(spec)
+    act = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
+    return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
+                 f"stage boundary, {prog.ticks} ticks: activations forward, their gradients "
+                 f"backward ({prog.useful_sends} of the sends carry data)", group=p, overlap=True,
+                 minimum=prog.useful_sends * act),
+            Comm("all-reduce", ("pp",), outer, 1, "gradients of the embedding, final norm and "
+                 "head (fp32), from the stages that use them", group=p)]
+
+
+def branch_share(spec) -> list[float]:
+    """A device runs one pipeline op per tick, not all of them: the share of (tick, device) slots
+    each branch of the engine's switch takes (`pipeline.Program.branch_share`)."""
+    from jaxscale.strategies.pp.engine import program_for
+    return program_for(spec).branch_share()
+
+
+def outer_runs(spec, leaf=None) -> float:
+    """How often per step, averaged over the devices, the embedding or the head runs (and their
+    collectives with it): once per micro-batch (m), or with pipelining only on the first or last
+    stage, m / p; a tied embedding's gradient (`leaf`) comes from both stages, 2 m / p."""
+    k, p = max(1, spec.accumulate), spec.deg("pp")
+    if p == 1:
+        return k
+    tied = leaf is not None and leaf.use == "embedding" and spec.model.tie_embeddings
+    return k / p * (2 if tied else 1)
+
+
+def memory(spec) -> list[Term]:
+    """Beyond the one micro-batch's activations the model counts: the residuals of the other
+    micro-batches in flight, plus the one just computed (a stage's forward returns it out of the
+    engine's switch before it is written to its slot); and the stage-boundary slots (activations
+    received, gradients received or to send), one [micro-batch, seq, dim] each."""
+    if spec.deg("pp") == 1:
+        return []
+    from jaxscale.strategies.tables.activations import of_spec
+    from jaxscale.strategies.pp.engine import program_for
+    slots, v, la = program_for(spec).slots, virtual(spec), of_spec(spec)
+    extra = (slots["res"] + 1) / v - 1
+    stream = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    out = [Term("activations", la.saved * spec.stage_layers * extra,
+                f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
+                f"and of the one being stored"),
+           Term("activations", stream * (slots["act"] + slots["grad"]),
+                "stage-boundary slots: activations and gradients received")]
+    return out
+
+
+def label(spec) -> list[str]:
+    if not active(spec):
+        return []
+    return [spec.schedule + (f"/v{spec.virtual_stages}" if spec.schedule == "interleaved" else "")]

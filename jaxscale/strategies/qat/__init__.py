@@ -1,0 +1,182 @@
+"""Quantisation-aware training: the block's weight matmuls run on 8-bit operands.
+
+`plan.qat=none|int8|fp8` (`plan.fp8_amax_history=16`: delayed scaling over that many steps; 0:
+current, just-in-time scaling). The strategy sets `Rules.projection` to its implementation, which
+`jaxscale.hooks.projection.project` calls for wq, wk, wv, wo, w_gate, w_up and w_down of every layer;
+the LM head stays in the compute dtype with fp32 logits (as in the published fp8 recipes). The
+numerics are `jaxscale.strategies.qat.numerics`:
+
+- int8: per-channel weights, per-token activations, an s8 x s8 -> s32 dot, rescaled; backward
+  straight-through, the unquantised matmul's gradients in the compute dtype. No state.
+- fp8: e4m3 x e4m3 forward dot, e5m2 output gradients in both backward dots (fp32 accumulation),
+  per-tensor scales. Delayed scaling keeps, per layer, 18 amax histories (the four matmul
+  inputs, the seven weights, the seven output gradients) in `TrainState.quant`
+  ([layers, 18, history] fp32, replicated, checkpointed with the state); the scale of a step is
+  max(history) / fp8 max, and the amaxes the step saw are rolled in after it (mean over the
+  micro-batches with plan.accumulate > 1; a skipped step leaves them). A slot without history
+  (the first step) scales by its own amax.
+
+Saves: fp8 keeps each matmul's input for the backward in e4m3, 1 byte per element instead of
+the compute dtype's (the attention-input and MLP-input norms' outputs, the attention output and
+the MLP hidden: (2d + H hd + f) per token and layer). int8 saves no memory: its straight-through
+backward needs the unquantised operands (the int8 copies are temporaries). On hardware with
+8-bit matrix units both halve (vs 16-bit) the matmul's operand traffic and double its peak rate;
+XLA:CPU runs the s8 dots as integer dots, but widens fp8 dots to f32 after the casts (the
+pre-optimisation HLO has the f8e4m3fn / f8e5m2 dots; XLA:GPU on Hopper lowers them to cuBLASLt
+fp8 GEMMs). Costs: quantisation error, the amax reductions (one pass over each operand), and for
+fp8 the histories (18 x history x 4 bytes per layer).
+
+Collectives: no new kind of traffic, only reductions of scales. An amax or a per-token /
+per-channel scale taken over an axis a plan splits becomes an all-reduce(max): int8's per-token
+scales of wo's and w_down's inputs, whose contracted heads / mlp axes are split over tp, add one
+all-reduce of B T / data-degree fp32 per layer each (forward only: the backward is the plain
+one); fp8's per-tensor amaxes are scalar all-reduces. Matmul partial sums under tp move as s32
+(int8) or f32 (fp8): 4 bytes per element, as in fp32. What changes in byte counts: under FSDP
+XLA quantises each weight shard before the forward all-gather, so the block weights travel in
+8 bits (int8: forward only, -32% of the tiny model's gather bytes; fp8: both passes, widened to
+f16 by XLA:CPU, -43%); `fsdp`'s formula does not model this (docs/quantization.md).
+
+Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation and
+any precision; not with pipeline stages, gradient compression or local SGD (their steps run the
+model inside `jax.shard_map`, where the plan's projection is off), nor with mixtures of experts
+(the experts' matmuls do not go through the projection hook).
+"""
+from __future__ import annotations
+
+from jaxscale.hooks.projection import plain, register
+from jaxscale.strategies.common import Comm, Term
+
+NAME = "qat"
+AVAILABLE = True
+METHODS = ("int8", "fp8")
+#: the `Rules.projection` implementation of each method
+IMPLEMENTATION = {"int8": "qat_int8", "fp8": "qat_fp8"}
+#: slots per layer of the fp8 state (`jaxscale.strategies.qat.numerics.SLOTS`: 4 inputs, 7 weights, 7 gradients)
+N_SLOTS = 18
+QUANTISED_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def active(spec) -> bool:
+    return spec.qat != "none"
+
+
+def delayed(spec) -> bool:
+    """fp8 with an amax history (the state); fp8 with history 0 scales just in time."""
+    return spec.qat == "fp8" and spec.fp8_amax_history > 0
+
+
+def problems(spec) -> list[str]:
+    if not active(spec):
+        return []
+    if spec.qat not in METHODS:
+        return [f"plan.qat={spec.qat!r}: valid are none, {', '.join(METHODS)}"]
+    errs, q = [], f"plan.qat={spec.qat}"
+    if spec.fp8_amax_history < 0:
+        errs.append(f"plan.fp8_amax_history={spec.fp8_amax_history} must be >= 0 (0: current "
+                    f"scaling)")
+    if spec.deg("pp") > 1:
+        errs.append(f"{q} does not run with pipeline stages (mesh.pp={spec.deg('pp')}): the "
+                    f"pipeline engine runs the layers inside shard_map, where the plan's "
+                    f"projection is off; set mesh.pp=1 or plan.qat=none")
+    for field, off in (("compression", "none"), ("local_sgd", "none"),
+                       ("sparse_embedding", False)):
+        v = getattr(spec, field)
+        if v != off:
+            errs.append(f"{q} does not run with plan.{field}={v}: that step runs the model "
+                        f"inside shard_map, where the plan's projection is off; set "
+                        f"plan.{field}={off} or plan.qat=none")
+    if spec.moe:
+        errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
+                    f"{spec.model.moe_experts} do not go through the projection hook: use a "
+                    f"dense model or plan.qat=none")
+    if spec.tp_overlap != "none":    # the other strategy that replaces the weight matmuls
+        errs.append(f"{q} and plan.tp_overlap={spec.tp_overlap} both replace the model's "
+                    f"weight matmuls (Rules.projection): choose one")
+    return errs
+
+
+def rules(spec, rules) -> None:
+    """No sharding rule: the projection implementation."""
+    if active(spec):
+        rules.set_projection(IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
+
+
+def collectives(spec) -> list[Comm]:
+    """int8 under tp: the per-token scales of wo's and w_down's inputs, reduced over tp (their
+    contracted axes, heads and mlp, are split there): one fp32 all-reduce(max) of the local
+    tokens per layer each, in the forward. (Scalar amax all-reduces are left out.)"""
+    if not active(spec) or spec.qat != "int8" or spec.deg("tp") == 1:
+        return []
+    n = 2 * spec.model.n_layers
+    tokens = spec.local_batch * spec.local_seq
+    return [Comm("all-reduce", ("tp",), 4 * tokens * n, n,
+                 "int8 QAT: per-token scales of wo and w_down inputs (max)", group=spec.deg("tp"))]
+
+
+def saved_input_elements(spec) -> float:
+    """Elements per token and layer of the matmul inputs the backward keeps (per device):
+    the two norms' outputs (d each), the attention output (H hd) and the MLP hidden (f)."""
+    m, t = spec.model, spec.deg("tp")
+    res = 2 * m.dim / (t if spec.sequence_parallel else 1)
+    return (res + (m.n_heads * m.hd + m.ffn_dim) / t) / spec.deg("sp")
+
+
+def memory(spec) -> list[Term]:
+    """fp8: the amax histories (replicated), and the matmul inputs kept in e4m3 (1 byte) instead
+    of the compute dtype for the backward (a negative activation term). int8: none."""
+    if not active(spec) or spec.qat != "fp8":
+        return []
+    out = []
+    if delayed(spec):
+        out.append(Term("optimizer", 4 * spec.model.n_layers * N_SLOTS * spec.fp8_amax_history,
+                        "fp8 amax histories"))
+    tokens = spec.micro_batch * spec.seq
+    saved = -(spec.compute_itemsize - 1) * tokens * saved_input_elements(spec)
+    if spec.remat == "none":
+        out.append(Term("activations", saved * spec.model.n_layers,
+                        "matmul inputs saved in e4m3 instead of the compute dtype"))
+    return out
+
+
+def label(spec) -> list[str]:
+    if not active(spec):
+        return []
+    if spec.qat == "fp8":
+        return [f"qat-fp8({'h' + str(spec.fp8_amax_history) if delayed(spec) else 'current'})"]
+    return [f"qat-{spec.qat}"]
+
+
+# ----------------------------------------------------------------------------- the step side
+def init_state(spec):
+    """fp8 delayed scaling's {"amax_history": [layers, slots, history]} (zeros), else None."""
+    if spec is None or not delayed(spec):
+        return None
+    from jaxscale.strategies.qat import numerics
+    return numerics.init_history(spec.model.n_layers, spec.fp8_amax_history)
+
+
+@register(IMPLEMENTATION["int8"])
+def _int8(eq, x, w, site, names, mesh, rules, **kw):
+    if site not in QUANTISED_SITES:
+        return plain(eq, x, w, **kw)
+    from jaxscale.strategies.qat import numerics
+    return numerics.int8_matmul(eq, x, w)
+
+
+@register(IMPLEMENTATION["fp8"])
+def _fp8(eq, x, w, site, names, mesh, rules, **kw):
+    if site not in QUANTISED_SITES:
+        return plain(eq, x, w, **kw)
+    from jaxscale.strategies.qat import numerics
+    from jaxscale.hooks.projection import layer_cache, layer_input
+    layer = layer_input()          # this layer's [slots] divisors (delayed scaling), or None
+    scales = None if layer is None else numerics.site_scales(layer, site)
+    cache, group = layer_cache(), numerics.INPUT[site]
+    hit = cache.get(group) if cache is not None else None
+    if hit is not None and hit[0] is x:       # k, v after q; up after gate: one e4m3 input
+        x_q = hit[1]
+    else:
+        x_q = numerics.quantize_input(x, None if scales is None else scales[0])
+        if cache is not None:
+            cache[group] = (x, x_q)
+    return numerics.fp8_matmul(eq, x, w, scales, record_x=site in numerics.RECORDS_INPUT, x_q=x_q)

@@ -1,0 +1,233 @@
+"""8-bit weight matmuls for quantisation-aware training (QAT): the numerics behind `plan.qat`.
+
+Both take the model's einsum `eq` (an activation x times a weight w, no batch letters) and run it
+as one `jax.lax.dot_general` on 8-bit operands, accumulating wider, then rescale:
+
+int8 (`int8_matmul`): w symmetric per output channel (max |w| over the contracted axes / 127),
+    x symmetric per token (max |x| over the contracted axes / 127), both rounded to int8, the dot
+    int8 x int8 -> int32 (`preferred_element_type=int32`), times s_x s_w. No state. Backward:
+    straight-through: the gradients of the unquantised einsum, in the compute dtype (the saved
+    residuals are the unquantised x and w, as without QAT).
+fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torchao float8):
+    per-tensor scales, x and w cast to e4m3 (max 448) for the forward dot, the output gradient
+    to e5m2 (max 57344) for both backward dots (dx = g w^T, dw = x^T g, fp32 accumulation). The
+    backward keeps x as e4m3 (1 byte per element instead of the compute dtype's) and w as it is.
+    x is cast outside the `custom_vjp` (`quantize_input`), so the sites reading one input (q, k,
+    v; gate, up) can share one cast, and the backward one saved copy. A scale is a divisor:
+    x8 = saturate(x / s). `scales` gives (s_x, s_w, s_g) from the amax history (delayed
+    scaling); an entry <= 0 means "no history yet": that tensor is scaled by its own amax just
+    in time, as is everything when `scales` is None (current scaling).
+    The matmul reports the amaxes it saw as the cotangent of `scales` (the "overwrite with
+    gradient" mechanism of Flax's fp8 ops): the gradient of the per-layer scales *is* the new
+    amaxes (x, w from the forward, g from the backward), which `update_history` rolls in.
+
+Layout of the delayed-scaling state, per layer: `SLOTS` (the inputs x of the four matmul groups:
+q/k/v share theirs, gate/up theirs, as in a fused QKV or gate-up kernel; the seven weights; the
+seven output gradients), each with a history of `n` amaxes; the scale of a slot is
+max(history) / fp8 max. The LM head is not quantised (left to `project`'s plain einsum), as in
+the published recipes (its logits feed the softmax in fp32).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+#: the block sites in the order of `jaxscale.hooks.projection.SITES` (the head stays high precision)
+SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+#: which input (x) each site reads; the first site of each group records that input's amax
+INPUT = {"wq": "attn_in", "wk": "attn_in", "wv": "attn_in", "wo": "attn_out",
+         "w_gate": "mlp_in", "w_up": "mlp_in", "w_down": "mlp_hidden"}
+RECORDS_INPUT = ("wq", "wo", "w_gate", "w_down")
+SLOTS = (tuple(f"x:{g}" for g in dict.fromkeys(INPUT.values())) + tuple(f"w:{s}" for s in SITES)
+         + tuple(f"g:{s}" for s in SITES))
+#: the largest finite value of each role's format: x and w in e4m3, gradients in e5m2
+FP8_MAX = {"x": float(jnp.finfo(E4M3).max), "w": float(jnp.finfo(E4M3).max),
+           "g": float(jnp.finfo(E5M2).max)}
+#: key of the step statistics that carries the amaxes out of `make_grads_fn`
+AMAX = "qat_amax"
+
+
+def slots_of(site: str) -> tuple[int, int, int]:
+    """Indices into `SLOTS` of a site's (x, w, g) scales."""
+    return (SLOTS.index(f"x:{INPUT[site]}"), SLOTS.index(f"w:{site}"), SLOTS.index(f"g:{site}"))
+
+
+# ----------------------------------------------------------------------------- einsum -> dot
+def _dims(eq: str):
+    """'xs,ws->out' -> (x's contracted positions, w's, the permutation from dot_general's
+    output (x's free axes, then w's) to `out`)."""
+    ins, out = eq.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    shared = [c for c in xs if c in ws]
+    if any(c in out for c in shared) or any(c not in out and c not in ws for c in xs + ws
+                                            if c not in shared):
+        raise ValueError(f"8-bit matmul of {eq!r}: only contractions of an activation with a "
+                         f"weight (no batch or summed-out letters) are supported")
+    free = [c for c in xs if c not in shared] + [c for c in ws if c not in shared]
+    return (tuple(xs.index(c) for c in shared), tuple(ws.index(c) for c in shared),
+            tuple(free.index(c) for c in out))
+
+
+def _dot(eq: str, a, b, acc):
+    """einsum(eq, a, b) as one dot_general accumulating in `acc`."""
+    ca, cb, perm = _dims(eq)
+    y = jax.lax.dot_general(a, b, ((ca, cb), ((), ())), preferred_element_type=acc)
+    return y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
+
+
+def reference(eq: str, x, w):
+    """The unquantised matmul (what `jaxscale.hooks.projection.plain` computes)."""
+    return jnp.einsum(eq, x, w.astype(x.dtype))
+
+
+def _swap(eq: str) -> tuple[str, str]:
+    """The einsums of the two backward matmuls: dx = g . w, dw = x . g."""
+    ins, out = eq.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    return f"{out},{ws}->{xs}", f"{xs},{out}->{ws}"
+
+
+# ----------------------------------------------------------------------------- int8
+def _int8(t, axes):
+    """Symmetric int8 of t with one fp32 scale per slice over `axes` (kept as size-1 axes)."""
+    t32 = t.astype(jnp.float32)
+    s = jnp.max(jnp.abs(t32), axis=axes, keepdims=True) / 127.0
+    return jnp.clip(jnp.round(t32 / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8), s
+
+
+def int8_forward(eq: str, x, w):
+    """int8 x int8 -> int32 dot of the per-token / per-channel quantised operands, rescaled,
+    in x's dtype."""
+    cx, cw, perm = _dims(eq)
+    qx, sx = _int8(x, cx)
+    qw, sw = _int8(w, cw)
+    n_wfree = w.ndim - len(cw)
+    sx = jnp.squeeze(sx, cx).reshape(jnp.squeeze(sx, cx).shape + (1,) * n_wfree)
+    y = jax.lax.dot_general(qx, qw, ((cx, cw), ((), ())), preferred_element_type=jnp.int32)
+    y = y.astype(jnp.float32) * sx * jnp.squeeze(sw, cw)
+    y = y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
+    return y.astype(x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def int8_matmul(eq: str, x, w):
+    """einsum(eq, x, w) through an int8 dot; straight-through gradients (see the module)."""
+    return int8_forward(eq, x, w)
+
+
+def _int8_fwd(eq, x, w):
+    return int8_forward(eq, x, w), (x, w)
+
+
+def _int8_bwd(eq, res, g):
+    x, w = res
+    return jax.vjp(lambda a, b: reference(eq, a, b), x, w)[1](g)
+
+
+int8_matmul.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ----------------------------------------------------------------------------- fp8
+def _amax(t):
+    return jnp.max(jnp.abs(t.astype(jnp.float32)))
+
+
+def _scale(given, amax, fmax):
+    """The divisor: the delayed one when there is history (> 0), else amax / fmax now."""
+    now = jnp.maximum(amax, 1e-30) / fmax
+    return now if given is None else jnp.where(given > 0, given, now)
+
+
+def _cast(t, s, dtype):
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(t.astype(jnp.float32) / s, -fmax, fmax).astype(dtype)
+
+
+def quantize_input(x, given=None):
+    """(x in e4m3, its divisor, its amax), no gradient: the forward operand, computed once for
+    the sites that read the same input (q, k, v; gate, up) and shared by their backward."""
+    xs = jax.lax.stop_gradient(x)
+    ax = _amax(xs)
+    sx = _scale(None if given is None else jax.lax.stop_gradient(given), ax, FP8_MAX["x"])
+    return _cast(xs, sx, E4M3), sx, ax
+
+
+def fp8_matmul(eq: str, x, w, scales=None, record_x: bool = True, x_q=None):
+    """einsum(eq, x, w) through an e4m3 x e4m3 dot, its backward through e5m2 x e4m3 dots.
+    `scales`: f32[3] divisors (x, w, g), entries <= 0 (or None) scaled just in time; the
+    cotangent of `scales` is the amaxes seen (x's only if `record_x`). `x_q`: x already
+    quantised (`quantize_input`) by a site reading the same input."""
+    scales = jnp.zeros((3,), jnp.float32) if scales is None else scales
+    x8, sx, ax = quantize_input(x, scales[0]) if x_q is None else x_q
+    return _fp8(eq, record_x, x, x8, sx, ax, w, scales)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8(eq, record_x, x, x8, sx, ax, w, scales):
+    return _fp8_fwd(eq, record_x, x, x8, sx, ax, w, scales)[0]
+
+
+def _fp8_fwd(eq, record_x, x, x8, sx, ax, w, scales):
+    aw = _amax(w)
+    sw = _scale(scales[1], aw, FP8_MAX["w"])
+    y = _dot(eq, x8, _cast(w, sw, E4M3), jnp.float32) * (sx * sw)
+    # the backward keeps x in e4m3 (not x) and w as it is (its e4m3 copy is recast there)
+    return y.astype(x.dtype), (x8, w, sx, sw, scales[2], ax if record_x else 0.0 * ax, aw,
+                               jnp.zeros((0,), x.dtype))
+
+
+def _fp8_bwd(eq, record_x, res, g):
+    x8, w, sx, sw, given_g, ax, aw, x_dtype = res
+    ag = _amax(g)
+    sg = _scale(given_g, ag, FP8_MAX["g"])
+    g8 = _cast(g, sg, E5M2)
+    dx_eq, dw_eq = _swap(eq)
+    dx = _dot(dx_eq, g8, _cast(w, sw, E4M3), jnp.float32) * (sg * sw)
+    dw = _dot(dw_eq, x8, g8, jnp.float32) * (sx * sg)
+    zero = jnp.zeros((), jnp.float32)
+    return (dx.astype(x_dtype.dtype), jnp.zeros_like(x8), zero, zero, dw.astype(w.dtype),
+            jnp.stack([ax, aw, ag]))
+
+
+_fp8.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+# ----------------------------------------------------------------------------- delayed scaling
+def init_history(n_layers: int, length: int):
+    """The amax histories of every layer and slot, zero (no history: scale just in time)."""
+    return {"amax_history": jnp.zeros((n_layers, len(SLOTS), length), jnp.float32)}
+
+
+def scales(state):
+    """[layers, slots] divisors max(history) / fp8 max; 0 where a slot has no history yet."""
+    fmax = jnp.asarray([FP8_MAX[s[0]] for s in SLOTS], jnp.float32)
+    return jnp.max(state["amax_history"], axis=-1) / fmax
+
+
+def update_history(state, amax, finite):
+    """Roll each slot's history and put the step's amax first; a skipped (non-finite) step
+    leaves the histories as they were."""
+    h = state["amax_history"]
+    new = jnp.concatenate([amax.astype(h.dtype)[..., None], h[..., :-1]], axis=-1)
+    return {"amax_history": jnp.where(finite & jnp.all(jnp.isfinite(amax)), new, h)}
+
+
+def probing(sum_loss_fn):
+    """fn(params, batch) -> fn((params, scales), batch): the model run with `scales`
+    ([layers, slots]) as the layer loop's per-layer input (`projection.layer_inputs`), so that
+    differentiating with respect to `scales` gives the amaxes every matmul saw."""
+    from jaxscale.hooks.projection import layer_inputs
+
+    def run(params_scales, batch):
+        params, sc = params_scales
+        with layer_inputs(sc):
+            return sum_loss_fn(params, batch)
+    return run
+
+
+def site_scales(layer_scales, site: str):
+    """A site's (x, w, g) divisors from its layer's [slots] row."""
+    return jnp.take(layer_scales, jnp.asarray(slots_of(site)))

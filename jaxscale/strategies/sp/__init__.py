@@ -1,0 +1,144 @@
+"""Sequence and context parallelism: Megatron SP over `tp`, context parallelism over `sp`.
+
+Rules: `norm_seq` (the residual stream's sequence, between the attention and MLP regions) over
+tp with `plan.sequence_parallel`, over sp (then tp) with `mesh.sp > 1`; `seq` (the attention and
+MLP regions) over sp. The attention of a sequence split over sp runs in `kernels/context.py`,
+the method named by `plan.context` (carried to it on the rules, `Rules.context`); the ring's
+zig-zag layout is applied to the batch inside the step (`layout`).
+
+Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
+stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp
+(`jaxscale.strategies.tables.activations.split`), at no extra cost in bytes: each TP all-reduce becomes a
+reduce-scatter plus an all-gather collective of the same total (`tp.py` counts them).
+
+Context parallelism over `sp` (`plan.context`) saves activations sp-fold: every token-indexed
+activation is split sp ways (the attention scores keep their full key length). Its cost is
+collectives on the critical path, per layer and micro-batch:
+- `ring` (Ring Attention): K/V blocks pass around the ring, (sp - 1) collective-permutes of the
+  local K/V block forward, twice that backward (K/V again and their gradients);
+- `ulysses` (DeepSpeed-Ulysses): all-to-alls from sequence- to head-sharded q, k, v and back for
+  the output, forward and backward (per-link volume 4Nh/P); sp must divide the kv heads per tp
+  rank;
+- `allgather`: K/V all-gathered forward, their gradients reduce-scattered backward.
+The weight gradients are reduced over sp as over a data axis (`dp.py`).
+"""
+from __future__ import annotations
+
+from jaxscale.strategies.common import Comm, Term
+
+NAME = "sp"
+AVAILABLE = True
+CONTEXTS = ("ring", "ulysses", "allgather")
+
+
+def active(spec) -> bool:
+    return spec.deg("sp") > 1 or spec.sequence_parallel
+
+
+def problems(spec) -> list[str]:
+    m, sp, t, errs = spec.model, spec.deg("sp"), spec.deg("tp"), []
+    if sp > 1:
+        if spec.seq % (2 * sp):
+            errs.append(f"context parallelism cuts data.seq_len={spec.seq} into 2 x mesh.sp = "
+                        f"{2 * sp} zig-zag chunks: use a multiple of {2 * sp}")
+        if spec.context not in CONTEXTS:
+            errs.append(f"plan.context={spec.context!r}: valid are {', '.join(CONTEXTS)}")
+        if spec.context == "ulysses" and ((m.n_heads // t) % sp or (m.n_kv_heads // t) % sp):
+            errs.append(f"Ulysses attention redistributes heads: the {m.n_heads // t} query and "
+                        f"{m.n_kv_heads // t} kv heads per tp rank must be divisible by "
+                        f"mesh.sp={sp} (use plan.context=ring)")
+    if spec.sequence_parallel and t == 1:
+        errs.append("plan.sequence_parallel=true splits the residual stream over mesh.tp, but "
+                    "mesh.tp=1: set mesh.tp > 1, or use mesh.sp for context parallelism")
+    elif spec.sequence_parallel and (spec.seq // sp) % t:
+        errs.append(f"Megatron sequence parallelism splits data.seq_len={spec.seq} "
+                    f"(/ mesh.sp={sp}) over mesh.tp={t}: it must divide")
+    return errs
+
+
+def rules(spec, rules) -> None:
+    sp = spec.deg("sp") > 1
+    norm = ("sp",) * sp + ("tp",) * bool(spec.sequence_parallel)
+    if norm:
+        rules.add("norm_seq", norm, by="sp")
+    if sp:
+        rules.add("seq", "sp", by="sp")
+        rules.context = spec.context
+
+
+def batch_layout(spec):
+    """None without context parallelism; else the step's view of a batch: every [B, T] array
+    permuted into the zig-zag layout (shard r holds chunks r and 2sp-1-r of 2sp: equal causal
+    work), plus `positions`, the true position of each token (RoPE). Permuting the batch before
+    it is split over sp moves no data: the step receives it whole along the sequence
+    (`batch_seq_axis`) and each device keeps its chunks."""
+    if spec.deg("sp") == 1:
+        return None
+    import jax.numpy as jnp
+    from jaxscale.strategies.sp.context import layout_permutation
+    perm = layout_permutation(spec.seq, spec.deg("sp"))
+
+    def apply(batch: dict) -> dict:
+        out = {key: x[:, perm] for key, x in batch.items()}     # packed positions: permuted
+        if "positions" not in out:
+            out["positions"] = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), out["inputs"].shape)
+        return out
+    return apply
+
+
+def batch_seq_axis(spec) -> str | None:
+    """The logical name of the input batch's sequence dimension: whole (None) under context
+    parallelism, whose layout the step applies first; `seq` otherwise."""
+    return None if spec.deg("sp") > 1 else "seq"
+
+
+def collectives(spec) -> list[Comm]:
+    sp = spec.deg("sp")
+    if sp == 1:
+        return []
+    m, k, t = spec.model, max(1, spec.accumulate), spec.deg("tp")
+    L = spec.stage_layers
+    tokens = spec.micro_batch * spec.local_seq
+    beta = spec.compute_itemsize
+    kv = 2 * tokens * m.n_kv_heads * m.hd / t * beta          # the local K and V blocks
+    if spec.context == "ring":     # K/V forward and again backward; the dK/dV travel in fp32
+        hops = (sp - 1) * L * k
+        return [Comm("collective-permute", ("sp",), kv * 2 * hops + kv / beta * 4 * hops,
+                     int(3 * hops), "ring attention: K/V blocks forward, K/V and fp32 dK/dV "
+                     "backward", group=sp)]
+    if spec.context == "allgather":
+        return [Comm("all-gather", ("sp",), kv * sp * L * k, int(L * k),
+                     "K/V gathered over the sequence, forward", group=sp),
+                Comm("reduce-scatter", ("sp",), kv * sp * L * k, int(L * k),
+                     "dK/dV reduced to their sequence shards, backward", group=sp)]
+    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) * m.hd / t * beta
+    return [Comm("all-to-all", ("sp",), 2 * qkvo * L * k, int(8 * L * k),
+                 "Ulysses: q, k, v, out forward and backward", group=sp)]
+
+
+def memory(spec) -> list[Term]:
+    """The activation split is in the per-layer table (`activations.split`); here the attention's
+    fp32 backward tiles ([micro-batch, heads, b, b], b = min(512, keys)). Ulysses: 4 of them over
+    the whole sequence on its heads / sp, when the inner attention is blockwise. Ring and
+    all-gather visit one pair of sequence shards per hop, unrolled: XLA:CPU keeps 2 tiles of
+    each of the sp hops until their gradients merge (read from its buffer assignments; on a GPU
+    the hop is the Pallas kernel, tiles on chip)."""
+    sp = spec.deg("sp")
+    if sp == 1:
+        return []
+    heads = spec.model.n_heads / spec.deg("tp")
+    if spec.context == "ulysses":
+        if spec.attention != "blockwise":
+            return []
+        b, tiles, heads = min(512, spec.seq), 4, heads / sp
+    elif spec.device_kind == "cpu" or spec.attention == "blockwise":
+        b, tiles = min(512, spec.local_seq), 2 * sp
+    else:
+        return []
+    return [Term("backward", tiles * spec.micro_batch * heads * b * b * 4,
+                 "context-parallel attention's backward tiles")]
+
+
+def label(spec) -> list[str]:
+    out = [spec.context] if spec.deg("sp") > 1 else []
+    return out + (["megatron-sp"] if spec.sequence_parallel else [])

@@ -1,0 +1,488 @@
+"""Context-parallel attention over a sequence-sharded mesh axis (`sp`): ring, Ulysses, all-gather.
+
+Each device holds a slice of the sequence: q [B, T/sp, H, D], k/v [B, T/sp, K, D], segment ids
+[B, T/sp]. All three methods compute exactly full attention (fp32 softmax, GQA without repeating
+K/V, rows with no allowed key give zeros, as `reference.py`); they differ in what moves.
+
+Collectives per call (one layer), as `collective_counts` states them and the compiled HLO shows
+them (the tests count both). "K/V block" = the local k and v stacked, 2·B·(T/sp)·K·D items:
+- `ring` (Ring Attention): forward (sp-1) collective-permutes of the K/V block; backward (sp-1)
+  of the K/V block again plus (sp-1) of the dK/dV accumulator (fp32), which travels with the
+  block it belongs to and goes home after its last hop: 3(sp-1) in all. Memory: saved for the
+  backward are q, k, v, o and the log-sum-exp only; a hop holds two K/V blocks (the permute of
+  hop s+1 is issued before hop s computes, so the two can overlap; XLA's scheduler decides).
+- `ulysses` (DeepSpeed-Ulysses): forward 4 all-to-alls (q, k and v from sequence- to
+  head-sharded, the output back), backward 4 (their transposes). The attention in between is
+  ordinary full-sequence attention on H/sp heads (any implementation, cuDNN included); q, k, v, o
+  keep their per-device size, and the volume per device stays constant when T and sp grow
+  together. sp must divide the local kv heads (else a ValueError); K/V are never repeated.
+- `allgather`: forward one all-gather of the K/V block, backward one reduce-scatter of dK/dV.
+  The simple baseline: every device holds, and saves for the backward, the whole K/V.
+With packed segment ids every method adds one all-gather of the [B, T] int32 ids, forward.
+
+Layouts. Causal attention on contiguous shards is unbalanced: shard r attends to r whole blocks
+plus its diagonal one, and the step waits for the last shard. The zig-zag layout cuts the
+sequence into 2·sp chunks and gives shard r chunks r and 2sp-1-r: every shard does the same work
+(`ring_work` counts the tiles). A layout is a permutation of the tokens applied once at the data
+side (`to_layout` on tokens, targets, loss mask, positions and segment ids; `from_layout` undoes
+it); attention knows the true positions from the layout (`layout_positions`). Zig-zag needs T
+divisible by 2·sp (else a ValueError: pad, or use layout='contiguous', which needs sp | T).
+
+Ring and all-gather visit the kv shards in one order: hop s brings shard (r - s) mod sp to shard
+r. Hop 0 is the own block (causal on local indices: both layouts keep a shard's tokens in true
+order); a later hop computes one dense (query range x key range) pair, chosen by `lax.cond` on
+whether the visiting shard comes before (src < r) or after this one (`hop_pairs`): contiguous
+runs all x all or nothing, zig-zag all queries x the first kv chunk or the second query chunk x
+all keys. No pair needs a position offset, so the inner block is a plain kernel: `xla` (one tile,
+`online_softmax_step`/`block_grads` of `blockwise.py`), `blockwise` (tiled, skips masked tiles)
+or `pallas` (the FlashAttention kernels; `auto` picks it on a CUDA GPU). Hops merge through their
+log-sum-exp; the backward recomputes each hop from the final o and log-sum-exp.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.kernels import blockwise as bw
+from jaxscale.kernels.blockwise import (MASK_VALUE, block_grads, check_inputs, finalize, init_carry,
+                                        online_softmax_step, pad_to, tile_mask)
+# the layouts, re-exported: callers (the step, the tests) reach them through this module
+from jaxscale.strategies.sp.seq_layout import (LAYOUTS, Pair, check_layout,  # noqa: F401
+                                        from_layout, hop_pairs, layout_permutation,
+                                        layout_positions, ring_work, to_layout, zigzag_permutation)
+
+METHODS = ("ring", "ulysses", "allgather")
+#: inner block implementations of ring / all-gather (cuDNN's public call returns no log-sum-exp)
+HOP_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "pallas")
+F32 = jnp.float32
+
+
+def collective_counts(method: str, sp: int, *, segment_ids: bool = False) -> dict:
+    """{'forward': {kind: n}, 'backward': {kind: n}} of one call, as the compiled HLO shows them."""
+    if method not in METHODS:
+        raise ValueError(f"unknown context-parallel method {method!r}; valid: {', '.join(METHODS)}")
+    if sp == 1:
+        return {"forward": {}, "backward": {}}
+    fwd, bwd = {
+        "ring": ({"collective-permute": sp - 1}, {"collective-permute": 2 * (sp - 1)}),
+        "ulysses": ({"all-to-all": 4}, {"all-to-all": 4}),
+        "allgather": ({"all-gather": 1}, {"reduce-scatter": 1}),
+    }[method]
+    if segment_ids:
+        fwd = {**fwd, "all-gather": fwd.get("all-gather", 0) + 1}
+    return {"forward": fwd, "backward": bwd}
+
+
+# ----------------------------------------------------------------------------- inner block
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    axis_name: str
+    sp: int
+    causal: bool
+    layout: str
+    impl: str            # xla | blockwise | pallas
+    scale: float
+    block_q: int
+    block_k: int
+
+    def pairs(self, Tl: int):
+        return hop_pairs(Tl, self.layout, self.causal)
+
+
+def _hop_impl(implementation: str, Tl: int) -> str:
+    if implementation not in HOP_IMPLEMENTATIONS:
+        extra = (" (cuDNN's attention call returns no log-sum-exp to merge hops with: use 'pallas'"
+                 " on a GPU, or method='ulysses')" if implementation == "cudnn" else "")
+        raise ValueError(f"ring / all-gather attention runs its blocks on one of "
+                         f"{', '.join(HOP_IMPLEMENTATIONS)}; got {implementation!r}{extra}")
+    from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES, _on_cuda_gpu
+    if implementation != "auto":
+        return implementation
+    if _on_cuda_gpu():
+        return "pallas"
+    return "xla" if Tl * Tl <= AUTO_XLA_MAX_SCORES else "blockwise"
+
+
+def _flash_cfg(cfg: _Cfg, causal, T, S, D, dtype, has_seg):
+    """The Pallas kernels' static config for one pair, as `flash_attention` builds it (tiles from
+    its tuning table where it has one), and the padded lengths (Tp, Sp, Dp)."""
+    from jaxscale.kernels import flash_attention as fa
+    fields = {f.name for f in dataclasses.fields(fa._Cfg)}
+    if "tuning" in fields:
+        tuning = fa.resolve_tuning(D, causal, dtype)
+        blocks = tuning.block_sizes().fit(T, S, None)
+        extra = {"tuning": tuning.with_blocks(blocks)}
+    else:
+        blocks = fa.BlockSizes().fit(T, S, None)
+        extra = {"blocks": blocks, "num_warps": None, "num_stages": None}
+    c = fa._Cfg(T=T, S=S, causal=causal, window=None, q_offset=0, scale=cfg.scale,
+                block_mask=None, has_seg=has_seg, interpret=fa.default_interpret(),
+                precision=None, **extra)
+    q_unit = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
+    k_unit = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
+    Dp = max(16, 1 << (D - 1).bit_length())        # head_dim padded to a power of two
+    return fa, c, -(-T // q_unit) * q_unit, -(-S // k_unit) * k_unit, Dp
+
+
+def _blockwise_static(cfg: _Cfg, causal, T, S):
+    bq, bk = min(cfg.block_q, -(-T // 8) * 8), min(cfg.block_k, -(-S // 8) * 8)
+    st = bw._Static(T, S, bq, bk, causal, None, 0, cfg.scale, None)
+    return st, -(-T // bq) * bq, -(-S // bk) * bk
+
+
+def _pad_seg(qseg, kseg, Tp, Sp):
+    if qseg is None:
+        return None, None
+    return pad_to(qseg.astype(jnp.int32), Tp, 1, -1), pad_to(kseg.astype(jnp.int32), Sp, 1, -2)
+
+
+def _xla_mask(causal, T, S, qseg, kseg):
+    if not causal and qseg is None:
+        return None
+    return tile_mask(jnp.arange(T), jnp.arange(S), causal=causal, q_segment_ids=qseg,
+                     kv_segment_ids=kseg)
+
+
+def _inner_fwd(cfg: _Cfg, causal, q, k, v, qseg, kseg):
+    """(o [B,T,H,D] fp32, lse [B,H,T] natural log) of q against k/v with local-index masking."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if cfg.impl == "xla":   # one tile: scores [B, H, T, S] materialised
+        mask = _xla_mask(causal, T, S, qseg, kseg)
+        carry = online_softmax_step(q, k, v, init_carry(q, k.shape[2]), scale=cfg.scale, mask=mask)
+        return finalize(carry)
+    if cfg.impl == "blockwise":
+        st, Tp, Sp = _blockwise_static(cfg, causal, T, S)
+        qs, ks = _pad_seg(qseg, kseg, Tp, Sp)
+        o, lse = bw._forward(st, pad_to(q, Tp, 1), pad_to(k, Sp, 1), pad_to(v, Sp, 1), qs, ks)
+        return o[:, :T].astype(F32), lse[..., :T]
+    fa, c, Tp, Sp, Dp = _flash_cfg(cfg, causal, T, S, D, q.dtype, qseg is not None)
+    qs, ks = _pad_seg(qseg, kseg, Tp, Sp)
+    pad = lambda x, n: pad_to(pad_to(x, n, 1), Dp, 3)  # noqa: E731
+    o, lse2 = fa._forward(c, pad(q, Tp), pad(k, Sp), pad(v, Sp), qs, ks)
+    return o[:, :T, :, :D].astype(F32), lse2[..., :T] / fa.LOG2E     # base-2 -> natural
+
+
+def _inner_bwd(cfg: _Cfg, causal, q, k, v, qseg, kseg, o, lse, do):
+    """(dq, dk, dv) fp32 of one pair from the final (merged) o and log-sum-exp."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if cfg.impl == "xla":
+        mask = _xla_mask(causal, T, S, qseg, kseg)
+        delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
+        return block_grads(q, k, v, do, lse, delta, scale=cfg.scale, mask=mask)
+    if cfg.impl == "blockwise":
+        st, Tp, Sp = _blockwise_static(cfg, causal, T, S)
+        qs, ks = _pad_seg(qseg, kseg, Tp, Sp)
+        grads = bw._backward(st, pad_to(q, Tp, 1), pad_to(k, Sp, 1), pad_to(v, Sp, 1), qs, ks,
+                             pad_to(o, Tp, 1), pad_to(lse, Tp, 2), pad_to(do, Tp, 1))
+        return tuple(g[:, :n].astype(F32) for g, n in zip(grads, (T, S, S)))
+    fa, c, Tp, Sp, Dp = _flash_cfg(cfg, causal, T, S, D, q.dtype, qseg is not None)
+    qs, ks = _pad_seg(qseg, kseg, Tp, Sp)
+    pad = lambda x, n: pad_to(pad_to(x, n, 1), Dp, 3)  # noqa: E731
+    lse2 = jnp.maximum(lse * fa.LOG2E, MASK_VALUE)
+    grads = fa._backward(c, pad(q, Tp), pad(k, Sp), pad(v, Sp), qs, ks, pad(o, Tp),
+                         pad_to(lse2, Tp, 2), pad(do, Tp))
+    return tuple(g[:, :n, :, :D].astype(F32) for g, n in zip(grads, (T, S, S)))
+
+
+# ----------------------------------------------------------------------------- hops
+def _merge(o, lse, o_h, lse_h):
+    """Combine two partial softmax results over disjoint key sets through their log-sum-exps."""
+    new = jnp.logaddexp(lse, lse_h)                                   # [B, H, T]
+    w = lambda x: jnp.transpose(jnp.exp(x - new), (0, 2, 1))[..., None]  # noqa: E731
+    return o * w(lse) + o_h * w(lse_h), new
+
+
+def _pair_fwd(cfg, pair, q, kv, qseg, kseg, acc):
+    """Fold pair `pair` of this hop into acc = (o fp32, lse) (None before the first hop)."""
+    if pair is None:
+        return acc
+    qs, ks = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
+    o_h, lse_h = _inner_fwd(cfg, pair.causal, q[:, qs], kv[0][:, ks], kv[1][:, ks],
+                            None if qseg is None else qseg[:, qs],
+                            None if kseg is None else kseg[:, ks])
+    if acc is None:
+        return o_h, lse_h      # hop 0 covers every query row
+    o, lse = acc
+    o_m, lse_m = _merge(o[:, qs], lse[..., qs], o_h, lse_h)
+    return o.at[:, qs].set(o_m), lse.at[..., qs].set(lse_m)
+
+
+def _pair_bwd(cfg, pair, q, kv, qseg, kseg, o, lse, do):
+    """(dq [B,Tl,H,D], dkv [2,B,Tl,K,D]) fp32 of one hop's pair, zeros outside it."""
+    dq = jnp.zeros(q.shape, F32)
+    dkv = jnp.zeros(kv.shape, F32)
+    if pair is None:
+        return dq, dkv
+    qs, ks = slice(pair.q0, pair.q1), slice(pair.k0, pair.k1)
+    dq_h, dk_h, dv_h = _inner_bwd(cfg, pair.causal, q[:, qs], kv[0][:, ks], kv[1][:, ks],
+                                  None if qseg is None else qseg[:, qs],
+                                  None if kseg is None else kseg[:, ks],
+                                  o[:, qs], lse[..., qs], do[:, qs])
+    return dq.at[:, qs].set(dq_h), dkv.at[:, :, ks].set(jnp.stack([dk_h, dv_h]))
+
+
+def _hop(cfg, s, r, fn, *args):
+    """fn(cfg, pair, *args) for hop s on shard r: the own block at s = 0, else the pair of a
+    visiting shard src = (r - s) mod sp, chosen by a cond on src < r (i.e. r >= s)."""
+    own, before, after = cfg.pairs(args[0].shape[1])
+    if s == 0:
+        return fn(cfg, own, *args)
+    if before == after:
+        return fn(cfg, before, *args)
+    return lax.cond(r >= s, lambda: fn(cfg, before, *args), lambda: fn(cfg, after, *args))
+
+
+def _kseg_of(kseg_all, src):
+    return None if kseg_all is None else lax.dynamic_index_in_dim(kseg_all, src, 0, False)
+
+
+def _shard_index(cfg, x):
+    """This shard's place on the ring, tied to the data `x` (adding 0 computed from it): an index
+    computed from nothing is hoisted by partial evaluation into a shard_map of its own, without
+    operands, when the attention sits in `lax.scan` under `grad`, and Shardy refuses that."""
+    return lax.axis_index(cfg.axis_name) + jnp.isnan(x.ravel()[0]).astype(jnp.int32) * 0
+
+
+# ----------------------------------------------------------------------------- ring
+def _rotate(cfg, x):
+    """Shard i sends x to shard i+1 (one collective-permute)."""
+    return lax.ppermute(x, cfg.axis_name, [(i, (i + 1) % cfg.sp) for i in range(cfg.sp)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg, q, k, v, qseg, kseg_all):
+    return _ring_fwd(cfg, q, k, v, qseg, kseg_all)[0]
+
+
+def _ring_fwd(cfg, q, k, v, qseg, kseg_all):
+    r = _shard_index(cfg, q)
+    kv = jnp.stack([k, v])                                   # [2, B, Tl, K, D]: one permute a hop
+    acc = None
+    for s in range(cfg.sp):
+        nxt = _rotate(cfg, kv) if s + 1 < cfg.sp else None   # in flight while hop s computes
+        acc = _hop(cfg, s, r, _pair_fwd, q, kv, qseg, _kseg_of(kseg_all, (r - s) % cfg.sp), acc)
+        kv = nxt
+    o = acc[0].astype(q.dtype)
+    return o, (q, k, v, qseg, kseg_all, o, acc[1])
+
+
+def _ring_bwd(cfg, res, do):
+    q, k, v, qseg, kseg_all, o, lse = res
+    r = _shard_index(cfg, q)
+    # [v, k], not the forward's [k, v]: XLA would merge identical permutes of identical blocks
+    # (CSE), keeping every rotated block alive from the forward to the backward. The barrier ties
+    # the rotation to dO where the scheduler honours barriers (XLA:CPU drops them).
+    vk, do = lax.optimization_barrier((jnp.stack([v, k]), do))
+    dq, own, travel = jnp.zeros(q.shape, F32), None, None
+    for s in range(cfg.sp):
+        nxt = _rotate(cfg, vk) if s + 1 < cfg.sp else None
+        if s >= 2:   # the accumulator of the visiting block follows it (it started at hop 1)
+            travel = _rotate(cfg, travel)
+        dq_h, dkv_h = _hop(cfg, s, r, _pair_bwd, q, vk[::-1], qseg,
+                           _kseg_of(kseg_all, (r - s) % cfg.sp), o, lse, do)
+        dq = dq + dq_h
+        if s == 0:
+            own = dkv_h
+        else:
+            travel = dkv_h if travel is None else travel + dkv_h
+        vk = nxt
+    if travel is not None:   # after hop sp-1 shard r holds block r+1's sum: one hop home
+        own = own + _rotate(cfg, travel)
+    return dq.astype(q.dtype), own[0].astype(k.dtype), own[1].astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------- all-gather
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered(cfg, q, kv_all, qseg, kseg_all):
+    return _gathered_fwd(cfg, q, kv_all, qseg, kseg_all)[0]
+
+
+def _gathered_fwd(cfg, q, kv_all, qseg, kseg_all):
+    r = _shard_index(cfg, q)
+    acc = None
+    for s in range(cfg.sp):
+        src = (r - s) % cfg.sp
+        kv = lax.dynamic_index_in_dim(kv_all, src, 0, False)
+        acc = _hop(cfg, s, r, _pair_fwd, q, kv, qseg, _kseg_of(kseg_all, src), acc)
+    o = acc[0].astype(q.dtype)
+    return o, (q, kv_all, qseg, kseg_all, o, acc[1])
+
+
+def _gathered_bwd(cfg, res, do):
+    q, kv_all, qseg, kseg_all, o, lse = res
+    r = _shard_index(cfg, q)
+    dq, dkv_all = jnp.zeros(q.shape, F32), jnp.zeros(kv_all.shape, F32)
+    for s in range(cfg.sp):
+        src = (r - s) % cfg.sp
+        kv = lax.dynamic_index_in_dim(kv_all, src, 0, False)
+        dq_h, dkv_h = _hop(cfg, s, r, _pair_bwd, q, kv, qseg, _kseg_of(kseg_all, src), o, lse, do)
+        dq = dq + dq_h
+        dkv_all = lax.dynamic_update_index_in_dim(
+            dkv_all, lax.dynamic_index_in_dim(dkv_all, src, 0, False) + dkv_h, src, 0)
+    return dq.astype(q.dtype), dkv_all.astype(kv_all.dtype), None, None
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+# ----------------------------------------------------------------------------- per-shard API
+def _setup(q, k, v, segment_ids, axis_name, causal, layout, implementation, block_q, block_k):
+    check_inputs(q, k, v, segment_ids, None, None)
+    sp = lax.axis_size(axis_name)
+    Tl = q.shape[1]
+    if k.shape[1] != Tl:
+        raise ValueError(f"context attention needs q and k/v shards of one length, got "
+                         f"{Tl} and {k.shape[1]}")
+    check_layout(Tl * sp, sp, layout)
+    cfg = _Cfg(axis_name, sp, bool(causal), layout, _hop_impl(implementation, Tl),
+               q.shape[-1] ** -0.5, block_q, block_k)
+    kseg_all = None if segment_ids is None else lax.all_gather(segment_ids, axis_name)
+    return cfg, kseg_all
+
+
+def ring_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, segment_ids=None,
+                   layout: str = "zigzag", implementation: str = "auto",
+                   block_q: int = 512, block_k: int = 512):
+    """Ring attention on this shard (inside shard_map over `axis_name`): q [B,Tl,H,D], k/v
+    [B,Tl,K,D], segment ids [B,Tl], tokens in `layout` -> o [B,Tl,H,D]. Custom VJP."""
+    cfg, kseg_all = _setup(q, k, v, segment_ids, axis_name, causal, layout, implementation,
+                           block_q, block_k)
+    return _ring(cfg, q, k, v, segment_ids, kseg_all)
+
+
+def allgather_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, segment_ids=None,
+                        layout: str = "zigzag", implementation: str = "auto",
+                        block_q: int = 512, block_k: int = 512):
+    """All-gather K/V, then the ring's hops read from the gathered copy; the backward
+    reduce-scatters dK/dV. Same arguments as `ring_attention`."""
+    cfg, kseg_all = _setup(q, k, v, segment_ids, axis_name, causal, layout, implementation,
+                           block_q, block_k)
+    kv_all = lax.all_gather(jnp.stack([k, v]), axis_name)      # [sp, 2, B, Tl, K, D]
+    return _gathered(cfg, q, kv_all, segment_ids, kseg_all)
+
+
+def _full_attention(q, k, v, *, causal, segment_ids, implementation, block_q, block_k):
+    """Whole-sequence attention on one device (no sharding rules consulted: `attention()`'s pallas
+    path would open a shard_map inside this one, so Pallas is called directly)."""
+    from jaxscale.hooks.attention import attention, resolve
+    from jaxscale.kernels.flash_attention import flash_attention
+    impl = resolve(implementation, q, k, causal=causal, segment_ids=segment_ids)
+    if impl == "blockwise":
+        return bw.blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                      block_q=block_q, block_k=block_k)
+    if impl == "cudnn":
+        try:
+            return attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                             implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            if implementation != "auto":
+                raise
+            impl = "pallas"     # as attention()'s 'auto': pallas when cuDNN refuses
+    if impl == "pallas":
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    return attention(q, k, v, causal=causal, segment_ids=segment_ids, implementation=impl)
+
+
+def ulysses_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, segment_ids=None,
+                      layout: str = "zigzag", implementation: str = "auto",
+                      block_q: int = 512, block_k: int = 512):
+    """Ulysses on this shard: all-to-all to head-sharded full sequences, attention, and back.
+    `implementation` is any of `jaxscale.hooks.attention`'s (cuDNN included)."""
+    check_inputs(q, k, v, segment_ids, None, None)
+    sp = lax.axis_size(axis_name)
+    K = k.shape[2]
+    if K % sp:
+        raise ValueError(f"Ulysses attention splits the kv heads over {axis_name!r}: {K} kv heads "
+                         f"per shard are not divisible by sp={sp} (query heads {q.shape[2]}); "
+                         f"use method='ring' or 'allgather', or a kv head count divisible by sp")
+    T = q.shape[1] * sp
+    check_layout(T, sp, layout)
+    to_heads = lambda x: lax.all_to_all(x, axis_name, 2, 1, tiled=True)  # noqa: E731
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)                       # [B, T, n/sp, D]
+    seg = (None if segment_ids is None else
+           lax.all_gather(segment_ids, axis_name, axis=1, tiled=True))    # [B, T]
+    reorder = causal and layout != "contiguous"   # causal needs true order; other masks do not
+    if reorder:
+        q, k, v = (from_layout(x, sp, 1, layout) for x in (q, k, v))
+        seg = None if seg is None else from_layout(seg, sp, 1, layout)
+    o = _full_attention(q, k, v, causal=causal, segment_ids=seg, implementation=implementation,
+                        block_q=block_q, block_k=block_k)
+    if reorder:
+        o = to_layout(o, sp, 1, layout)
+    return lax.all_to_all(o, axis_name, 1, 2, tiled=True)
+
+
+PER_SHARD = {"ring": ring_attention, "ulysses": ulysses_attention,
+             "allgather": allgather_attention}
+
+
+# ----------------------------------------------------------------------------- global wrapper
+def _specs(mesh, seq_axis, batch_axes, head_axes, rules, K):
+    if rules is not None:
+        q_spec = rules.spec(("batch", "seq", "heads", None))
+        kv_spec = rules.spec(("batch", "seq", "kv_heads", None))
+        if q_spec[1] != seq_axis:
+            raise ValueError(f"context attention shards the sequence over {seq_axis!r}, but the "
+                             f"rules map logical 'seq' to {q_spec[1]!r}")
+        batch_axes = q_spec[0]
+        head_axes = q_spec[2] if q_spec[2] == kv_spec[2] else None   # GQA groups stay whole
+    elif head_axes is not None:
+        n = math.prod(mesh.shape[a] for a in ((head_axes,) if isinstance(head_axes, str)
+                                              else head_axes))
+        if K % n:
+            raise ValueError(f"kv heads {K} are not divisible by the {n} shards of head axes "
+                             f"{head_axes}: GQA groups would straddle devices; pass head_axes=None")
+    return P(batch_axes, seq_axis, head_axes, None), P(batch_axes, seq_axis)
+
+
+def context_attention(q, k, v, *, method: str = "ring", mesh=None, seq_axis: str = "sp",
+                      batch_axes=None, head_axes=None, rules=None, causal: bool = True,
+                      segment_ids=None, layout: str = "zigzag", implementation: str = "auto",
+                      block_q: int = 512, block_k: int = 512):
+    """Global q [B,T,H,D], k/v [B,T,K,D] (tokens already in `layout`) -> o [B,T,H,D], computed
+    sequence-sharded over mesh axis `seq_axis` by `method` inside `jax.shard_map`.
+
+    Batch and heads are sharded over `batch_axes` / `head_axes` (mesh axis names), or, given
+    `rules` (a `jaxscale.axes.Rules`), over the axes of logical `batch` and `heads`/`kv_heads`
+    (heads whole when query and kv heads map differently). Without `mesh`, the mesh and rules of
+    `jaxscale.axes.use_rules` are used, as the model's attention call sees them.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown context-parallel method {method!r}; valid: {', '.join(METHODS)}")
+    if mesh is None:
+        from jaxscale import axes
+        ctx = axes.active()
+        if ctx is None:
+            raise ValueError("context_attention needs a mesh: pass mesh=, or call it under "
+                             "jaxscale.axes.use_rules(mesh, rules)")
+        mesh, rules = ctx[0], rules if rules is not None else ctx[1]
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no {seq_axis!r} to shard the sequence")
+    check_inputs(q, k, v, segment_ids, None, None)
+    check_layout(q.shape[1], mesh.shape[seq_axis], layout)
+    x_spec, seg_spec = _specs(mesh, seq_axis, batch_axes, head_axes, rules, k.shape[2])
+    per_shard = functools.partial(PER_SHARD[method], axis_name=seq_axis, causal=causal,
+                                  layout=layout, implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
+
+    def fn(q, k, v, segment_ids=None):
+        from jaxscale.axes import suspended
+        with suspended():           # shards inside: the model's global rules do not apply
+            return per_shard(q, k, v, segment_ids=segment_ids)
+    if segment_ids is None:
+        body, specs, args = fn, (x_spec,) * 3, (q, k, v)
+    else:
+        body, specs, args = fn, (x_spec,) * 3 + (seg_spec,), (q, k, v, segment_ids)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=x_spec,
+                         check_vma=False)(*args)
