@@ -17,7 +17,7 @@ never the head, so its ratio is below the textbook 4/3; `save_attention_out` als
 Activations per layer (derived for this block: RMSNorm, GQA attention with an fp32 softmax,
 SwiGLU, no dropout; b batch, s sequence, h model dim, a heads, k kv heads, d head dim, f MLP dim,
 beta bytes per activation element). `none` keeps, per norm, its input and scaled output (2bsh
-each, 4 in all: the norm's backward recomputes the normalised input, `models.llama.rms_norm`); q after RoPE and the attention output (2·bs·a·d); k after RoPE and
+each, 4 in all: the norm's backward recomputes the normalised input, `models.layers.rms_norm`); q after RoPE and the attention output (2·bs·a·d); k after RoPE and
 v (2·bs·k·d); gate, up, sigmoid(gate), 1-sigmoid, silu(gate) and the hidden product (6bsf); four
 fp32 score-sized arrays (scores, exp, masked, normalised: 16·b·a·s² bytes); per score row the max,
 sum and masked max in fp32 and two boolean masks (14·b·a·s bytes); one fp32 1/rms [b, s] per
@@ -40,7 +40,7 @@ from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
 from jaxscale.strategies import remat  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
-from jaxscale.train.step import token_loss  # noqa: E402
+from jaxscale.train.grads import token_loss  # noqa: E402
 
 POLICIES = ("none", "save_dots", "save_attention_out", "full")
 L, B, S = 3, 2, 128          # L != B: stacked residuals are told apart by their leading dim

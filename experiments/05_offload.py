@@ -10,7 +10,7 @@ fp32 master and Adam, dp=8, batch 16 x 64.
    training steps of each give the same losses.
 2. The streamed update: the optimizer update runs as a loop over the layers that brings one
    layer of the offloaded state to the device, updates it and writes it back into host memory
-   (`jaxscale.strategies.offload.streamed_update`). Read from the program lowered for CUDA (here,
+   (`jaxscale.strategies.offload.streaming.streamed_update`). Read from the program lowered for CUDA (here,
    without a GPU: XLA:CPU lowers memory-space moves to nothing), every host->device move of
    offloaded state is one layer's slice in the loop or an unstacked leaf, never a whole stacked
    leaf; from the CPU-compiled program, the temp against no offload (whose update runs in place

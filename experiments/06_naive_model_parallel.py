@@ -34,7 +34,7 @@ from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale import plan, planner
 from jaxscale.strategies.pp import schedules as ps  # noqa: E402
 from jaxscale.analysis.validation import tiny_config  # noqa: E402
-from jaxscale.strategies.pp import engine  # noqa: E402
+from jaxscale.strategies.pp import program  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 B, T, L = 16, 32, 4
@@ -85,11 +85,11 @@ def main():
         r = run((f"mesh.pp={p}", f"mesh.fsdp={8 // p}", f"plan.schedule={sched}",
                  f"plan.accumulate={m}"), args.steps)
         spec = plan.Spec.from_config(r.pop("cfg"))
-        prog = engine.program_for(spec)
+        prog = program.program_for(spec)
         sim = ps.simulate(ps.make(sched, p, m))
         r.update(label=label, p=p, schedule=sched, m=m, util_sim=1 - sim.bubble,
                  util_formula=1 - ps.formula_bubble(sched, p, m),
-                 util_engine=1 - prog.branch_share()[engine.IDLE], ticks=prog.ticks,
+                 util_engine=1 - prog.branch_share()[program.IDLE], ticks=prog.ticks,
                  res_slots=prog.slots["res"], in_flight=sim.in_flight[0])
         res.append(r)
     ref.pop("cfg")

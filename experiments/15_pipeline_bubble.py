@@ -71,7 +71,7 @@ def compiled_rows() -> list[dict]:
     from jaxscale import plan, planner
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.strategies import pp
-    from jaxscale.strategies.pp.engine import program_for
+    from jaxscale.strategies.pp.program import program_for
     out = []
     for name in COMPILED:
         v = 2 if name == "interleaved" else 1

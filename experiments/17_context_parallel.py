@@ -26,7 +26,6 @@ import time
 import _common as C  # first: 8 simulated devices before jax is imported
 
 C.cpu_only()
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxscale.analysis import inspect  # noqa: E402

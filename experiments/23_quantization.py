@@ -16,7 +16,7 @@ corpus; every loss below is the token-mean cross entropy on the same held-out ba
    (gradients masked, weights re-masked after each Adam step). 0 % fine-tuned for the same steps
    is the baseline. The embedding table is not pruned (a lookup, not a matmul).
 3. Distillation: a 2-layer student trained KD_STEPS steps from the same initialisation with
-   plain cross entropy and with alpha CE + (1 - alpha) T^2 KL(teacher || student) at T = 1 and
+   plain cross entropy and with alpha T^2 KL(teacher || student) + (1 - alpha) CE at T = 1 and
    T = 2, equal steps, batches and learning rate; its held-out CE and KL to the teacher (T = 1).
 4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/qat.py): the
    teacher's run again for QAT_STEPS steps with plan.qat=int8 and plan.qat=fp8 (delayed
@@ -40,11 +40,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+from jaxscale.strategies.prune import masks as M  # noqa: E402
 from jaxscale.strategies.qat import ptq as Q  # noqa: E402
+from jaxscale.strategies.tables.params import contracted_axes  # noqa: E402
+from jaxscale.train import distill as distill_lib  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import FunctionalModel  # noqa: E402
-from jaxscale.train.step import token_loss  # noqa: E402
+from jaxscale.train.grads import token_loss  # noqa: E402
 
 SEQ, BATCH, EVAL_ROWS = 64, 16, 128
 TEACHER_STEPS, FT_STEPS, KD_STEPS, QAT_STEPS = 150, 30, 100, 60
@@ -94,22 +97,22 @@ def finetune_step(model, lr, qat_bits=None):
     @jax.jit
     def step(p, o, b, mk):
         val, g = jax.value_and_grad(loss)(p, b)
-        u, o = opt.update(Q.apply(g, mk), o, p)
-        return Q.apply(optax.apply_updates(p, u), mk), o, val
+        u, o = opt.update(M.apply(g, mk), o, p)
+        return M.apply(optax.apply_updates(p, u), mk), o, val
     return step, opt
 
 
 def finetune(step_opt, params, train, masks=None):
     step, opt = step_opt
     masks = masks if masks is not None else jax.tree.map(lambda _: None, params)
-    p, o = Q.apply(params, masks), opt.init(params)
+    p, o = M.apply(params, masks), opt.init(params)
     for i in range(FT_STEPS):
         p, o, _ = step(p, o, train.global_rows(10_000 + i), masks)
     return p
 
 
 def distill_step(student, teacher, t_params, kd: bool):
-    """A jitted Adam step of the student: plain CE, or alpha CE + (1 - alpha) KD at T."""
+    """A jitted Adam step of the student: plain CE, or alpha KD + (1 - alpha) CE at T."""
     opt = optax.adam(optax.warmup_cosine_decay_schedule(0.0, KD_LR, 10, KD_STEPS, KD_LR / 10))
 
     @jax.jit
@@ -120,7 +123,7 @@ def distill_step(student, teacher, t_params, kd: bool):
                 total, n = token_loss(logits, b["targets"], b["mask"])
                 return total / n
             t_logits = teacher.apply(t_params, b["inputs"])
-            return Q.distill_objective(logits, t_logits, b["targets"], b["mask"], alpha,
+            return distill_lib.objective(logits, t_logits, b["targets"], b["mask"], alpha,
                                        temperature)[0]
         val, g = jax.value_and_grad(loss)(p)
         u, o = opt.update(g, o, p)
@@ -244,7 +247,7 @@ def main():
 
     # ---- 1. post-training quantisation
     specs = model.logical
-    is_w = lambda names: Q.contracted_axes(tuple(names)) is not None
+    is_w = lambda names: contracted_axes(tuple(names)) is not None
     sizes = [w.size for w, s in zip(jax.tree.leaves(params), jax.tree.leaves(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))) if is_w(s)]
     w_elems = sum(sizes)
@@ -301,14 +304,14 @@ def main():
     # ---- 2. pruning
     base_ft = float(ev(ft_dense))
     prune = {}
-    cases = [(f"magnitude {int(s * 100)}%", lambda s=s: Q.magnitude_masks(params, specs, s), s)
-             for s in SPARSITIES] + [("2:4", lambda: Q.nm_masks(params, specs), 0.5)]
+    cases = [(f"magnitude {int(s * 100)}%", lambda s=s: M.magnitude_masks(params, specs, s), s)
+             for s in SPARSITIES] + [("2:4", lambda: M.nm_masks(params, specs), 0.5)]
     for name, make, target in cases:
         masks = make()
-        pruned = Q.apply(params, masks)
+        pruned = M.apply(params, masks)
         tuned = ft_dense if target == 0 else finetune(ft, params, train, masks)
-        prune[name] = {"target": target, "sparsity": Q.sparsity(pruned, masks),
-                       "sparsity_after_ft": Q.sparsity(tuned, masks),
+        prune[name] = {"target": target, "sparsity": M.sparsity(pruned, masks),
+                       "sparsity_after_ft": M.sparsity(tuned, masks),
                        "loss": float(ev(pruned)), "loss_ft": float(ev(tuned))}
     print(f"\n[{time.time() - t0:.0f} s]")
     print(C.table(["mask", "target", "measured zeros", "loss pruned", "delta",
@@ -336,7 +339,7 @@ def main():
     # ---- 3. distillation
     s_model = FunctionalModel(dataclasses.replace(model.cfg, n_layers=2))
     s_init = jax.jit(s_model.init)(jax.random.key(7))
-    kl_fn = jax.jit(lambda sp: Q.distillation_loss(s_model.apply(sp, held["inputs"]),
+    kl_fn = jax.jit(lambda sp: distill_lib.distillation_loss(s_model.apply(sp, held["inputs"]),
                                                    model.apply(params, held["inputs"]), 1.0,
                                                    held["mask"]))
     s_ev = jax.jit(lambda p: mean_loss(s_model, p, held))

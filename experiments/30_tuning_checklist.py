@@ -38,6 +38,7 @@ from jaxscale import meshes  # noqa: E402
 from jaxscale import models  # noqa: E402
 from jaxscale import planner  # noqa: E402
 from jaxscale.config import Config, DataConfig  # noqa: E402
+from jaxscale.plan import Spec  # noqa: E402
 from jaxscale.planner import search  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
 
@@ -67,7 +68,7 @@ def accounting() -> list[tuple[str, bool]]:
 def walk(model: str, mesh: str, seq: int, batch: int) -> list[dict]:
     cfg = Config(model=models.get(model), mesh=meshes.get(mesh),
                  data=DataConfig(seq_len=seq, batch_size=batch))
-    spec = planner.Spec.from_config(cfg)
+    spec = Spec.from_config(cfg)
     steps = []
 
     def record(title, s, note=""):

@@ -150,7 +150,7 @@ def grad_bytes(setup) -> int:
 
     from jaxscale.analysis import inspect
     from jaxscale.axes import use_rules
-    from jaxscale.train.step import token_loss
+    from jaxscale.train.grads import token_loss
     specs = setup.layout.specs.grads
     out_sh = jax.tree.map(lambda s: NamedSharding(setup.placement.mesh, s), specs,
                           is_leaf=lambda x: isinstance(x, P))

@@ -29,6 +29,10 @@ MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 LOGICAL_AXES = ("batch", "seq", "norm_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
                 "vocab", "layers", "experts")
 
+#: the model's seams (`jaxscale.hooks`), and what a strategy replaces through each
+SEAMS = {"context": "attention over a sequence split across devices",
+         "projection": "weight matmuls", "experts": "mixture-of-experts dispatch"}
+
 
 @dataclass
 class Rules:
@@ -36,11 +40,10 @@ class Rules:
 
     table: dict[str, tuple[str, ...]] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)
-    #: how attention runs over a sequence split across devices (`plan.context`, set by sp)
-    context: str | None = None
-    #: how the model's weight matmuls run (`jaxscale.hooks.projection.IMPLEMENTATIONS`), set by the
-    #: strategy that replaces them (overlapped tensor parallelism, quantisation-aware training)
-    projection: str | None = None
+    #: the model's seams (`jaxscale.hooks`) -> the implementation a strategy registered for it:
+    #: `context` (attention over a sequence split across devices, set by sp), `projection` (the
+    #: weight matmuls: collective matmul, QAT), `experts` (a mixture of experts' dispatch, ep)
+    seams: dict[str, str] = field(default_factory=dict)
 
     def add(self, logical: str, mesh_axes: str | Sequence[str] | None, by: str) -> "Rules":
         if logical not in LOGICAL_AXES:
@@ -60,13 +63,14 @@ class Rules:
         self.owner[logical] = by
         return self
 
-    def set_projection(self, name: str, by: str) -> "Rules":
-        """`projection` = name, for strategy `by`; a second strategy replacing the weight matmuls
-        is an error naming both, like two rules for one logical axis."""
-        if self.projection not in (None, name):
-            raise ValueError(f"{by} and {self.owner.get('projection')} both replace the model's "
-                             f"weight matmuls (Rules.projection): choose one of them")
-        self.projection, self.owner["projection"] = name, by
+    def set_seam(self, seam: str, name: str, by: str) -> "Rules":
+        """The model's `seam` runs implementation `name`, for strategy `by`; a second strategy
+        setting another one is an error naming both, like two rules for one logical axis."""
+        if self.seams.get(seam, name) != name:
+            raise ValueError(f"{by} and {self.owner[seam + ' seam']} both replace the model's "
+                             f"{SEAMS.get(seam, seam)} (the rules' {seam} seam): choose one "
+                             f"of them")
+        self.seams[seam], self.owner[seam + " seam"] = name, by
         return self
 
     def spec(self, names: Iterable[str | None]):

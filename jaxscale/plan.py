@@ -16,9 +16,13 @@ plan` and its `--search`):
    unsharded unless pipeline parallelism maps it to `pp`;
 3. `collectives(spec)`: every collective per device per step, each strategy's own formula;
 4. `memory_terms(spec)`: each strategy's per-device memory terms (the planner adds the model's);
-5. `place(cfg, devices)`: the JAX side, a `Placement` (the device mesh and the rules) for the
-   validated plan; ZeRO, offload, precision, accumulation and remat then shape the state and the
-   step (`jaxscale.train.setup`).
+5. `step_parts(spec)`: what each strategy changes in the train state and step (its
+   `shape_step`: ZeRO's state layout, offload's memory kinds and streamed update, precision's
+   policy, accumulation, remat's block wrapper, the pipeline engine, context parallelism's token
+   layout, compression's gradient mean, pruning after the update, local SGD's own step, fp8
+   QAT's probe, XLA's options), from which `jaxscale.train` builds the step, naming no strategy;
+6. `place(cfg, devices)`: the JAX side, a `Placement` (the device mesh and the rules) for the
+   validated plan (`jaxscale.train.setup` builds from it and from `step_parts`).
 """
 from __future__ import annotations
 
@@ -29,12 +33,13 @@ from dataclasses import dataclass, field, replace
 from jaxscale import hardware
 from jaxscale.axes import MESH_AXES, Rules
 from jaxscale.fields import raise_problems
-from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, local_sgd, offload, pp,
-                                 precision, prune, remat, sp, sparse_embedding, tp, zero)
-from jaxscale.strategies import overlap
-from jaxscale.strategies import qat
+from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, local_sgd, offload,
+                                 overlap, pp, precision, prune, qat, remat, sp, sparse_embedding,
+                                 tp, zero)
+from jaxscale.strategies.common import StepParts
 
-#: every strategy, in the order their problems, rules, collectives and memory terms compose
+#: every strategy, in the order their problems, rules, collectives, memory terms and step parts
+#: compose
 STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
               compression, sparse_embedding, prune, local_sgd, qat)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
@@ -172,16 +177,12 @@ class Spec:
 
     @property
     def attention(self) -> str:
-        """The attention implementation the model resolves to (`jaxscale.hooks.attention.resolve`):
-        `auto` is a fused kernel on GPUs, and on CPU `xla` up to
-        `jaxscale.hooks.attention.AUTO_XLA_MAX_SCORES` scores per (batch, head), `blockwise` beyond."""
-        impl = self.model.attention
-        if impl != "auto":
-            return impl
-        if self.device_kind != "cpu":
-            return "cudnn"
-        from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES
-        return "xla" if self.seq * self.seq <= AUTO_XLA_MAX_SCORES else "blockwise"
+        """The attention implementation the model resolves to on this hardware
+        (`jaxscale.hooks.attention.choose`, the rule the model's `resolve` applies)."""
+        if self.model.attention != "auto":
+            return self.model.attention
+        from jaxscale.hooks.attention import choose
+        return choose("auto", self.seq, self.seq, gpu=self.device_kind != "cpu")
 
     @property
     def hardware(self) -> hardware.Hardware:
@@ -268,6 +269,16 @@ def collectives(spec: Spec) -> list:
 def memory_terms(spec: Spec) -> list:
     """The strategies' per-device memory terms (`jaxscale.strategies.common.Term`)."""
     return [t for s in STRATEGIES for t in s.memory(spec)]
+
+
+def step_parts(spec: Spec) -> StepParts:
+    """What the strategies change in the train state and step, each its own `shape_step`, in the
+    written order (a part set by two strategies is an error naming both)."""
+    parts = StepParts()
+    for s in STRATEGIES:
+        if hasattr(s, "shape_step"):
+            s.shape_step(spec, parts)
+    return parts
 
 
 # ----------------------------------------------------------------------------- the JAX side

@@ -11,14 +11,12 @@ carries for them beside the stacked weights: fp8 QAT's scales).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -27,6 +25,8 @@ from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
 from jaxscale.hooks.projection import project, scanned_inputs, with_layer_input
+from jaxscale.models.moe import MoE, summarise
+from jaxscale.models.layers import RMSNorm, apply_rope, embed_lookup, param, rope_frequencies
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -153,107 +153,6 @@ class ModelConfig:
         return 6 * n_matmul + (attn / 2 if causal else attn)
 
 
-def _param(rngs: nnx.Rngs, shape, names, dtype, std, init=None):
-    value = (init or nnx.initializers.normal(std))(rngs.params(), shape, dtype)
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm(x, scale, eps: float):
-    """x / rms(x) * scale, computed in fp32, returned in x's dtype.
-
-    The backward keeps only x (in its own dtype: a 16-bit model saves no fp32 copy of the
-    residual stream) and the fp32 inverse rms per token, and recomputes the rest."""
-    return _rms_norm_fwd(x, scale, eps)[0]
-
-
-def _rms_norm_fwd(x, scale, eps):
-    xf = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * r * scale.astype(jnp.float32)).astype(x.dtype), (x, scale, r)
-
-
-def _rms_norm_bwd(eps, res, dy):
-    x, scale, r = res
-    n = x.astype(jnp.float32) * r                                  # the normalised input
-    g = dy.astype(jnp.float32)
-    d_scale = jnp.sum(g * n, axis=tuple(range(x.ndim - 1)))
-    gn = g * scale.astype(jnp.float32)
-    dx = r * (gn - n * jnp.mean(gn * n, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), d_scale.astype(scale.dtype)
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
-#: vocabularies up to this size take the embedding gradient as a one-hot matmul
-ONE_HOT_MAX_VOCAB = 4096
-
-
-@jax.custom_vjp
-def embed_lookup(table_VD, tokens_BT):
-    """Rows of the embedding table. The gradient is a matmul of the tokens' one-hot codes with the
-    output gradient for small vocabularies (`ONE_HOT_MAX_VOCAB`; a scatter-add of every token
-    into a few hundred rows serialises on the rows, as the H200 profile showed), a segment sum
-    over the sorted ids otherwise; both accumulate in fp32."""
-    return jnp.take(table_VD, tokens_BT, axis=0)
-
-
-def _embed_fwd(table_VD, tokens_BT):
-    # the table's row count and dtype ride along in an empty [V, 0] array, not the table itself
-    return jnp.take(table_VD, tokens_BT, axis=0), (tokens_BT, table_VD[:, :0])
-
-
-def _embed_bwd(res, g_BTD):
-    tokens_BT, empty_V0 = res
-    V, dtype = empty_V0.shape[0], empty_V0.dtype
-    if V <= ONE_HOT_MAX_VOCAB:
-        onehot_BTV = jax.nn.one_hot(tokens_BT, V, dtype=g_BTD.dtype)
-        d_VD = jnp.einsum("btv,btd->vd", onehot_BTV, g_BTD, preferred_element_type=jnp.float32)
-    else:
-        ids = tokens_BT.reshape(-1)
-        order = jnp.argsort(ids)
-        d_VD = jax.ops.segment_sum(g_BTD.reshape(-1, g_BTD.shape[-1])[order].astype(jnp.float32),
-                                   ids[order], num_segments=V, indices_are_sorted=True)
-    zeros = np.zeros(tokens_BT.shape, jax.dtypes.float0)
-    return d_VD.astype(dtype), zeros
-
-
-embed_lookup.defvjp(_embed_fwd, _embed_bwd)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
-        self.scale = _param(rngs, (dim,), ("embed",), dtype, 0.0, init=nnx.initializers.ones)
-        self.eps = eps
-
-    def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
-
-
-def rope_frequencies(cfg: ModelConfig):
-    hd = cfg.hd
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    s = cfg.rope_scaling
-    if s is not None:  # Llama-3.1: keep high frequencies, divide low ones by factor, blend between
-        wavelen = 2 * math.pi / inv
-        low_wl = s.original_max_position / s.low_freq_factor
-        high_wl = s.original_max_position / s.high_freq_factor
-        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor)
-        blended = (1 - smooth) * inv / s.factor + smooth * inv
-        inv = jnp.where(wavelen < high_wl, inv, jnp.where(wavelen > low_wl, inv / s.factor, blended))
-    return inv
-
-
-def apply_rope(x_BTHD, positions_BT, inv_freq):
-    """Rotate pairs (x[..., :D/2], x[..., D/2:]) (the Hugging Face / Meta 'rotate_half' layout)."""
-    ang_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
-    cos, sin = jnp.cos(ang_BTF)[:, :, None, :], jnp.sin(ang_BTF)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHD.dtype)
-
-
 #: logical axes (x, weight, output) of the weight matmuls: the residual stream (`norm_seq`) in,
 #: the attention/MLP regions (`seq`) out, and back
 _RESID = ("batch", "norm_seq", "embed")
@@ -269,10 +168,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, hd, pd = cfg.dim, cfg.hd, jnp.dtype(cfg.param_dtype)
         std = cfg.init_std
-        self.wq = _param(rngs, (d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), pd, std)
-        self.wk = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
-        self.wv = _param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
-        self.wo = _param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), pd,
+        self.wq = param(rngs, (d, cfg.n_heads, hd), ("embed", "heads", "head_dim"), pd, std)
+        self.wk = param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wv = param(rngs, (d, cfg.n_kv_heads, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wo = param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"), pd,
                          std / math.sqrt(2 * cfg.n_layers))
         self.cfg = cfg
 
@@ -295,9 +194,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pd, std = cfg.dim, cfg.ffn_dim, jnp.dtype(cfg.param_dtype), cfg.init_std
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd, std)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd, std)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), pd, std)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), pd, std)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BTD):
         g = checkpoint_name(project("btd,df->btf", x_BTD, self.w_gate[...], "w_gate",
@@ -319,7 +218,6 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
         if moe:
-            from jaxscale.models.moe import MoE
             self.mlp = MoE(cfg, rngs=rngs)
         else:
             self.mlp = MLP(cfg, rngs=rngs)
@@ -340,7 +238,7 @@ class Llama(nnx.Module):
         cfg.validate()
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pd, 1.0)
+        self.embed = param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pd, 1.0)
         if cfg.scan_layers:
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -352,7 +250,7 @@ class Llama(nnx.Module):
                                     for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pd,
+            self.head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pd,
                                1.0 / math.sqrt(cfg.dim))
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
@@ -366,7 +264,6 @@ class Llama(nnx.Module):
             return logits
         if not stats:
             return logits, {}
-        from jaxscale.models.moe import summarise
         return logits, summarise(jax.tree.map(lambda *a: jnp.concatenate(a), *stats))
 
     # The three parts of the forward, which a pipeline runs on different stages.

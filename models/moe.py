@@ -45,13 +45,13 @@ when tokens drop. Tokens are scattered into a buffer [E, B, C, dim] (`scatter_to
 experts run as batched matmuls over it (`expert_ffn`, GSPMD-sharded: `experts` over ep, the rows
 over the other data axes, `mlp` over tp) and the results are gathered back and weighted
 (`gather_from_slots`). Expert parallelism moves the buffer with one all-to-all each way
-(`jaxscale.strategies.ep.to_experts` / `from_experts`, inside `jax.shard_map`); without it the
+(`jaxscale.hooks.experts.to_experts` / `from_experts`: under a plan, inside `jax.shard_map`); without it the
 same code runs with no collective. `top_k` is k rounds of argmax, not `lax.top_k`, whose GSPMD
 partitioning gathers the whole batch.
 
 Dropless mode (`model.moe_dropless`): no token is ever dropped. Without expert parallelism the
 assignments are sorted by expert and the experts run as grouped matmuls (`jax.lax.ragged_dot`)
-over exactly k N rows (`ragged_experts`, per data shard: `ep.on_data_shards`). Under expert
+over exactly k N rows (`ragged_experts`, per data shard: `experts.on_data_shards`). Under expert
 parallelism the all-to-all needs static shapes, so dropless uses the capacity buffer at its
 worst case, C = T slots per sequence and expert (nothing can overflow): exact, at E / k times
 the routed volume in all-to-all bytes, buffer memory and expert FLOPs (a ragged all-to-all
@@ -73,6 +73,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.axes import constrain
+from jaxscale.hooks import experts
+from jaxscale.models.layers import param
 
 F32 = jnp.float32
 #: the statistics one MoE layer returns (each a scalar, but `expert_share` [E])
@@ -186,18 +188,16 @@ class MoE(nnx.Module):
     """Router + E SwiGLU experts; __call__(x [B,T,D]) -> (y [B,T,D], statistics `STATS`)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        from jaxscale.models.llama import _param
         d, f, E, pd, std = (cfg.dim, cfg.ffn_dim, cfg.moe_experts, jnp.dtype(cfg.param_dtype),
                             cfg.init_std)
-        self.router = _param(rngs, (d, E), ("embed", None), pd, std)
-        self.w_gate = _param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
-        self.w_up = _param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
-        self.w_down = _param(rngs, (E, f, d), ("experts", "mlp", "embed"), pd,
+        self.router = param(rngs, (d, E), ("embed", None), pd, std)
+        self.w_gate = param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
+        self.w_up = param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
+        self.w_down = param(rngs, (E, f, d), ("experts", "mlp", "embed"), pd,
                              std / math.sqrt(2 * cfg.n_layers))
         self.cfg = cfg
 
     def __call__(self, x_BTD):
-        from jaxscale.strategies import ep
         cfg = self.cfg
         E, K = cfg.moe_experts, cfg.moe_top_k
         B, T, _ = x_BTD.shape
@@ -206,15 +206,15 @@ class MoE(nnx.Module):
         logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K)
         share = expert_share(idx, E)
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
-        if cfg.moe_dropless and not ep.experts_split():
-            y = ep.on_data_shards(ragged_experts, x_BTD, idx, w, *weights)
+        if cfg.moe_dropless and not experts.experts_split():
+            y = experts.on_data_shards(ragged_experts, x_BTD, idx, w, *weights)
             dropped = jnp.zeros((), F32)
         else:
             C = cfg.moe_capacity(T)
             pos = slot_positions(idx, E)
-            buf = ep.to_experts(functools.partial(scatter_to_slots, n_experts=E, capacity=C),
+            buf = experts.to_experts(functools.partial(scatter_to_slots, n_experts=E, capacity=C),
                                 x_BTD, idx, pos)
-            y = ep.from_experts(gather_from_slots, expert_ffn(buf, *weights), idx, pos, w)
+            y = experts.from_experts(gather_from_slots, expert_ffn(buf, *weights), idx, pos, w)
             dropped = jnp.sum(pos >= C).astype(F32)
         stats = {"aux_loss": balance_loss(probs, share), "z_loss": z_loss(logits),
                  "dropped": dropped, "routed": jnp.asarray(B * T * K, F32),

@@ -2,7 +2,6 @@
 optimizers' formulas, the census (1/H of a parameter all-reduce, nothing else but the metrics),
 exact resume mid-period, and refusals."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P

@@ -7,7 +7,7 @@ import pytest
 
 from jaxscale import models
 from jaxscale.train.state import FunctionalModel
-from jaxscale.train.step import token_loss
+from jaxscale.train.grads import token_loss
 from tests.helpers import tiny_config
 
 EXPECTED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
@@ -61,7 +61,7 @@ def test_scan_and_unrolled_layers_agree():
 
 
 def test_rope_scaling_changes_only_low_frequencies():
-    from jaxscale.models.llama import rope_frequencies
+    from jaxscale.models.layers import rope_frequencies
     base = models.get("llama3-8b")
     scaled = models.get("llama3.1-8b")
     a, b = np.asarray(rope_frequencies(base)), np.asarray(rope_frequencies(scaled))
@@ -70,7 +70,7 @@ def test_rope_scaling_changes_only_low_frequencies():
 
 
 def test_rms_norm_backward_matches_autodiff():
-    from jaxscale.models.llama import rms_norm
+    from jaxscale.models.layers import rms_norm
 
     def reference(x, scale, eps):
         xf = x.astype(jnp.float32)

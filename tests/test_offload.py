@@ -28,6 +28,7 @@ from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
 from jaxscale.analysis import validation
 from jaxscale.strategies import offload
+from jaxscale.strategies.offload import streaming
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 
@@ -112,7 +113,7 @@ def test_zero_split_layers_stream_one_layer_per_device():
     one layer from each device's own block per iteration (1 iteration of 2 layers here)."""
     setup, _, _ = _compiled(*ZERO, "plan.offload=optimizer+master")
     master = jax.tree.leaves(setup.state_shardings.master["layers"])
-    assert offload.pieces(LAYERS, master) == (1, 2)
+    assert streaming.pieces(LAYERS, master) == (1, 2)
     ref, ref_rows, _ = _run(ZERO, 2)
     got, rows, _ = _run((*ZERO, "plan.offload=optimizer+master"), 2)
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref_rows], rtol=1e-6)

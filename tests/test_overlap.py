@@ -133,7 +133,7 @@ def test_bad_option_values_and_a_second_projection_are_refused():
     errs = spec.with_(tp_overlap="ring", xla_preset="fast").problems()
     assert any("plan.tp_overlap='ring': valid are none" in e for e in errs), errs
     assert any("plan.xla_preset='fast': valid are default" in e for e in errs), errs
-    taken = Rules().set_projection("int8", by="plan.qat=int8")
+    taken = Rules().set_seam("projection", "int8", by="plan.qat=int8")
     with pytest.raises(ValueError, match="plan.tp_overlap=collective_matmul and plan.qat=int8 "
                                          "both replace the model's weight matmuls"):
         overlap.rules(spec.with_(tp_overlap="collective_matmul"), taken)

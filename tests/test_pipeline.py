@@ -4,15 +4,12 @@ memory against the planner (GPipe growing with m, 1F1B flat); a checkpoint writt
 interleaved pp=2 plan restored at pp=1; a composed plan (dp, tp, ZeRO-1, bf16, remat) training
 as the same plan without pp does; clear errors for plans the engine cannot run."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxscale.analysis import inspect
 from jaxscale import plan, planner
-from jaxscale.axes import use_rules
-from jaxscale.strategies import pp
-from jaxscale.strategies.pp import engine
+from jaxscale.strategies.pp import program
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 
@@ -40,10 +37,10 @@ def reference():
 
 def _pipelined_grads(overrides, params):
     s = build(tiny_config(*BASE, *overrides))
-    order = pp.layer_order(s.placement.spec)
-    local = jax.device_put(engine.reorder(params, None, order), s.device_shardings.params)
+    order = program.layer_order(s.placement.spec)
+    local = jax.device_put(program.reorder(params, None, order), s.device_shardings.params)
     grads, loss, ntok = s.jit_grads()(local, _batch())
-    return jax.device_get(engine.reorder(grads, order, None)), float(loss), float(ntok), s
+    return jax.device_get(program.reorder(grads, order, None)), float(loss), float(ntok), s
 
 
 SCHEDULES = {   # p, m, v over the same 8 devices as fsdp x tp
@@ -85,13 +82,13 @@ def test_interleaved_layer_order_round_trips():
                                              "plan.schedule=interleaved", "plan.virtual_stages=2",
                                              "plan.accumulate=4"))
     # device 0 holds stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
-    assert pp.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert program.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
     tree = {"layers": {"w": np.arange(L)}, "embed": np.arange(3)}
-    moved = engine.reorder(tree, None, pp.layer_order(spec))
+    moved = program.reorder(tree, None, program.layer_order(spec))
     assert list(moved["layers"]["w"]) == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert list(engine.reorder(moved, pp.layer_order(spec), None)["layers"]["w"]) == list(
+    assert list(program.reorder(moved, program.layer_order(spec), None)["layers"]["w"]) == list(
         range(L))
-    assert pp.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
+    assert program.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
 
 
 # ----------------------------------------------------------------------------- census, memory
@@ -111,7 +108,7 @@ def reports():
 def test_permutes_and_pipeline_all_reduce_match_the_formula(reports):
     for (name, m), (cfg, rep) in reports.items():
         spec = plan.Spec.from_config(cfg)
-        prog = engine.program_for(spec)
+        prog = program.program_for(spec)
         row = next(r for r in rep["collectives"]
                    if r["kind"] == "collective-permute" and r["axes"] == ["pp"])
         act = 1 * 64 * 128 * 4                       # a micro-batch's row per device, [1, T, D]
@@ -147,7 +144,7 @@ def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
     pp_cfg = tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.precision=bf16",
                          "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4")
     s = build(pp_cfg)
-    order = pp.layer_order(s.placement.spec)
+    order = program.layer_order(s.placement.spec)
     state = s.init_state()
     ck = ckpt_lib.Checkpointer(tmp_path, pp_cfg.ckpt)
     ck.save(0, state, ckpt_lib.make_meta(pp_cfg, state, 0, None, order))

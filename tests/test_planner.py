@@ -136,11 +136,14 @@ def test_llama_block_constants():
 
 def test_remat_policies_order_activation_memory():
     m = models.get("small")
-    sizes = {r: activations.layer_activations(m, 256, 1024, 2, activations.Split(), r).saved
-             for r in ("none", "save_dots", "save_attention_out", "full")}
+    def layer(policy):
+        return activations.layer_activations(m, 256, 1024, 2, activations.Split(),
+                                             remat.actions(policy))
+    sizes = {r: layer(r).saved for r in ("save_dots", "save_attention_out", "full")}
+    sizes["none"] = activations.layer_activations(m, 256, 1024, 2, activations.Split()).saved
     assert sizes["full"] < sizes["save_attention_out"] < sizes["save_dots"] < sizes["none"]
     assert sizes["full"] == 1024 * m.dim * 2                    # the layer input only
-    off = activations.layer_activations(m, 256, 1024, 2, activations.Split(), "offload")
+    off = layer("offload")
     attn_out = 1024 * m.n_heads * m.hd * 2
     assert off.saved == sizes["full"] and off.host == sizes["save_dots"] - sizes["full"] + attn_out
     with pytest.raises(ValueError, match="action 'keep' for 'attn_out' must be one of"):

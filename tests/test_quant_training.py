@@ -270,10 +270,10 @@ def test_refusals():
     assert any("moe_experts" in e for e in problems("plan.qat=fp8", "model.moe_experts=4"))
     spec = Spec.from_config(tiny_config("plan.qat=int8"), 8).with_(
         tp_overlap="collective_matmul")
-    assert any("Rules.projection" in e for e in qat.problems(spec))
+    assert any("projection seam" in e for e in qat.problems(spec))
     with pytest.raises(ValueError, match="batch or summed-out"):
         numerics.int8_matmul("bij,bjk->bik", jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
     # the plan names its implementation in the rules; the label names the method
     spec = Spec.from_config(tiny_config("plan.qat=fp8"), 8)
-    assert spec.rules.projection == "qat_fp8"
+    assert spec.rules.seams["projection"] == "qat_fp8"
     assert "qat-fp8(h16)" in spec.label()

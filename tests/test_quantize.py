@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.strategies.prune import masks as M
 from jaxscale.strategies.qat import ptq as Q
+from jaxscale.strategies.tables.params import contracted_axes, is_lookup
+from jaxscale.train import distill
 from jaxscale.analysis.validation import tiny_config
 from jaxscale.train.state import FunctionalModel
 
@@ -30,18 +33,18 @@ def _weights(model, params):
     specs = jax.tree.leaves(model.logical, is_leaf=lambda x: isinstance(x, P))
     return [(jax.tree_util.keystr(p), tuple(s), w) for (p, w), s in
             zip(jax.tree_util.tree_leaves_with_path(params), specs)
-            if Q.contracted_axes(tuple(s)) is not None]
+            if contracted_axes(tuple(s)) is not None]
 
 
 def test_contracted_axis_rule():
-    assert Q.contracted_axes(("layers", "embed", "heads", "head_dim")) == (1,)      # wq
-    assert Q.contracted_axes(("layers", "heads", "head_dim", "embed")) == (1, 2)    # wo
-    assert Q.contracted_axes(("layers", "mlp", "embed")) == (1,)                    # w_down
-    assert Q.contracted_axes(("layers", "embed", "mlp")) == (1,)                    # w_up
-    assert Q.contracted_axes(("embed", "vocab")) == (0,)                            # head
-    assert Q.contracted_axes(("vocab", "embed")) == (1,)          # lookup: one scale per row
-    assert Q.contracted_axes(("experts", "mlp", "embed")) == (1,)
-    assert Q.contracted_axes(("layers", "embed")) is None                           # norm
+    assert contracted_axes(("layers", "embed", "heads", "head_dim")) == (1,)      # wq
+    assert contracted_axes(("layers", "heads", "head_dim", "embed")) == (1, 2)    # wo
+    assert contracted_axes(("layers", "mlp", "embed")) == (1,)                    # w_down
+    assert contracted_axes(("layers", "embed", "mlp")) == (1,)                    # w_up
+    assert contracted_axes(("embed", "vocab")) == (0,)                            # head
+    assert contracted_axes(("vocab", "embed")) == (1,)          # lookup: one scale per row
+    assert contracted_axes(("experts", "mlp", "embed")) == (1,)
+    assert contracted_axes(("layers", "embed")) is None                           # norm
 
 
 def test_int8_logits_close_to_fp32_and_fewer_bits_worse(tiny):
@@ -78,7 +81,7 @@ def test_bytes_are_a_quarter_plus_scales(tiny):
     weights = _weights(model, params)
     w_elems = sum(w.size for _, _, w in weights)
     other = Q.nbytes(params) - 4 * w_elems                   # norm scales, kept fp32
-    channels = sum(w.size // int(np.prod([w.shape[i] for i in Q.contracted_axes(n)]))
+    channels = sum(w.size // int(np.prod([w.shape[i] for i in contracted_axes(n)]))
                    for _, n, w in weights)
     q8, q4 = Q.quantize(params, model.logical, 8), Q.quantize(params, model.logical, 4)
     assert Q.nbytes(q8) == other + (4 * w_elems) // 4 + 4 * channels
@@ -106,11 +109,11 @@ def test_fake_quantize_forward_and_straight_through_gradient(tiny):
 @pytest.mark.parametrize("s", [0.25, 0.5, 0.7])
 def test_magnitude_masks_exact_sparsity_per_matrix(tiny, s):
     model, params, _ = tiny
-    masks = Q.magnitude_masks(params, model.logical, s)
+    masks = M.magnitude_masks(params, model.logical, s)
     assert masks["embed"] is None and masks["norm"]["scale"] is None
     for path, names, w in _weights(model, params):
         mk = _at(masks, path)
-        if Q.is_lookup(names):
+        if is_lookup(names):
             assert mk is None
             continue
         stacked = names[0] == "layers"
@@ -119,13 +122,13 @@ def test_magnitude_masks_exact_sparsity_per_matrix(tiny, s):
                 w[layer] if stacked else w))
             assert (~m).sum() == round(s * m.size), path
             assert a[m].min() >= a[~m].max(), path     # the smallest were cut
-    pruned = Q.apply(params, masks)
-    assert Q.sparsity(pruned, masks) == pytest.approx(s, abs=1e-3)
+    pruned = M.apply(params, masks)
+    assert M.sparsity(pruned, masks) == pytest.approx(s, abs=1e-3)
 
 
 def test_magnitude_masks_global_exact_count(tiny):
     model, params, _ = tiny
-    masks = Q.magnitude_masks(params, model.logical, 0.6, scope="global")
+    masks = M.magnitude_masks(params, model.logical, 0.6, scope="global")
     ms = [np.asarray(m) for m in jax.tree.leaves(masks)]
     total = sum(m.size for m in ms)
     assert sum((~m).sum() for m in ms) == round(0.6 * total)
@@ -135,13 +138,13 @@ def test_magnitude_masks_global_exact_count(tiny):
 
 def test_two_four_masks_along_the_contracted_axis(tiny):
     model, params, _ = tiny
-    masks = Q.nm_masks(params, model.logical)
-    pruned = Q.apply(params, masks)
+    masks = M.nm_masks(params, model.logical)
+    pruned = M.apply(params, masks)
     for path, names, w in _weights(model, params):
-        if Q.is_lookup(names):
+        if is_lookup(names):
             assert _at(masks, path) is None
             continue
-        ax = Q.contracted_axes(names)[-1]
+        ax = contracted_axes(names)[-1]
         groups = np.moveaxis(np.asarray(_at(pruned, path)), ax, -1).reshape(-1, 4)
         assert np.all((groups != 0).sum(-1) == 2), path
         orig = np.abs(np.moveaxis(np.asarray(w), ax, -1).reshape(-1, 4))
@@ -155,13 +158,13 @@ def test_two_four_masks_along_the_contracted_axis(tiny):
 
 
 def test_sparsity_schedule():
-    f = lambda t: float(Q.sparsity_schedule(t, start=10, end=110, final=0.8))
+    f = lambda t: float(M.sparsity_ramp(t, start=10, end=110, final=0.8))
     assert f(0) == 0.0 and f(10) == 0.0
     assert f(110) == pytest.approx(0.8) and f(500) == pytest.approx(0.8)
     assert f(60) == pytest.approx(0.8 * (1 - 0.5 ** 3))
     vals = [f(t) for t in range(0, 120, 5)]
     assert all(b >= a for a, b in zip(vals, vals[1:]))
-    assert float(Q.sparsity_schedule(10, 10, 20, 0.9, initial=0.5)) == pytest.approx(0.5)
+    assert float(M.sparsity_ramp(10, 10, 20, 0.9, initial=0.5)) == pytest.approx(0.5)
 
 
 def test_distillation_loss():
@@ -169,52 +172,53 @@ def test_distillation_loss():
     s = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
     t = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
     mask = jnp.asarray([[1, 1, 0], [1, 0, 1]], jnp.float32)
-    assert abs(float(Q.distillation_loss(s, s, 1.0, mask))) < 1e-6
-    assert float(Q.distillation_loss(s, t, 1.0, mask)) > 0.01
-    assert float(Q.distillation_loss(s, t, 2.0, mask)) > 0.01
+    assert abs(float(distill.distillation_loss(s, s, 1.0, mask))) < 1e-6
+    assert float(distill.distillation_loss(s, t, 1.0, mask)) > 0.01
+    assert float(distill.distillation_loss(s, t, 2.0, mask)) > 0.01
     # masked tokens do not count
     s2 = s.at[0, 2].add(5.0)
-    assert float(Q.distillation_loss(s2, t, 2.0, mask)) == pytest.approx(
-        float(Q.distillation_loss(s, t, 2.0, mask)), rel=1e-6)
+    assert float(distill.distillation_loss(s2, t, 2.0, mask)) == pytest.approx(
+        float(distill.distillation_loss(s, t, 2.0, mask)), rel=1e-6)
     # gradient w.r.t. the student vs central differences; none into the teacher
-    loss = jax.jit(lambda x: Q.distillation_loss(x, t, 2.0, mask))
+    loss = jax.jit(lambda x: distill.distillation_loss(x, t, 2.0, mask))
     g = np.asarray(jax.grad(loss)(s))
     eps = 1e-2
     for idx in [(0, 0, 0), (0, 1, 3), (1, 2, 6), (1, 0, 2)]:
         fd = (float(loss(s.at[idx].add(eps))) - float(loss(s.at[idx].add(-eps)))) / (2 * eps)
         assert g[idx] == pytest.approx(fd, rel=2e-3, abs=1e-5), idx
     assert np.all(g[0, 2] == 0)
-    assert np.all(np.asarray(jax.grad(lambda x: Q.distillation_loss(s, x, 2.0, mask))(t)) == 0)
-    # combined objective: alpha = 1 is the cross entropy, alpha = 0 the distillation loss
+    assert np.all(np.asarray(jax.grad(lambda x: distill.distillation_loss(s, x, 2.0, mask))(t)) == 0)
+    # combined objective: alpha (the teacher's weight, as train.distill_alpha) = 1 is the
+    # distillation loss, alpha = 0 the cross entropy
     y = jnp.asarray(rng.integers(0, 7, (2, 3)))
-    l1, parts = Q.distill_objective(s, t, y, mask, alpha=1.0, temperature=2.0)
-    assert float(l1) == pytest.approx(float(parts["ce"]))
-    l0, _ = Q.distill_objective(s, t, y, mask, alpha=0.0, temperature=2.0)
-    assert float(l0) == pytest.approx(float(loss(s)))
-    traced = jax.jit(lambda a, T: Q.distill_objective(s, t, y, mask, a, T)[0])(0.0, 2.0)
-    assert float(traced) == pytest.approx(float(l0), rel=1e-6)      # alpha, T may be traced
+    l0, parts = distill.objective(s, t, y, mask, alpha=0.0, temperature=2.0)
+    assert float(l0) == pytest.approx(float(parts["ce"]))
+    l1, _ = distill.objective(s, t, y, mask, alpha=1.0, temperature=2.0)
+    assert float(l1) == pytest.approx(float(loss(s)))
+    traced = jax.jit(lambda a, T: distill.objective(s, t, y, mask, a, T)[0])(1.0, 2.0)
+    assert float(traced) == pytest.approx(float(l1), rel=1e-6)      # alpha, T may be traced
 
 
 def test_bad_inputs_name_the_argument(tiny):
     model, params, _ = tiny
     for s in (1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"sparsity=.*\[0, 1\)"):
-            Q.magnitude_masks(params, model.logical, s)
+            M.magnitude_masks(params, model.logical, s)
     with pytest.raises(ValueError, match=r"final=1.0 must be in \[0, 1\)"):
-        Q.sparsity_schedule(0, 0, 10, final=1.0)
+        M.sparsity_ramp(0, 0, 10, final=1.0)
     with pytest.raises(ValueError, match="end=10 must be after start=10"):
-        Q.sparsity_schedule(0, 10, 10, final=0.5)
+        M.sparsity_ramp(0, 10, 10, final=0.5)
     with pytest.raises(ValueError, match="scope="):
-        Q.magnitude_masks(params, model.logical, 0.5, scope="row")
+        M.magnitude_masks(params, model.logical, 0.5, scope="row")
     for bits in (5, 2, 16):
         with pytest.raises(ValueError, match=f"bits={bits}.*(4, 6, 8)"):
             Q.quantize(params, model.logical, bits)
     with pytest.raises(ValueError, match=r"\['w'\].*'embed', size 6.*divisible by m=4"):
-        Q.nm_masks({"w": jnp.ones((6, 8))}, {"w": P("embed", "mlp")})
+        M.nm_masks({"w": jnp.ones((6, 8))}, {"w": P("embed", "mlp")})
     with pytest.raises(ValueError, match="temperature=0"):
-        Q.distillation_loss(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3)), 0)
+        distill.distillation_loss(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3)), 0)
     with pytest.raises(ValueError, match="alpha=1.5"):
-        Q.distill_objective(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), int),
+        distill.objective(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), int),
                             alpha=1.5)
 
 

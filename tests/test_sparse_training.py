@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxscale.analysis import inspect
 from jaxscale import plan
 from jaxscale.analysis.validation import tiny_config
-from jaxscale.strategies.qat.ptq import contracted_axes
+from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.strategies import prune, sparse_embedding
 from jaxscale.train.setup import build
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxscale.analysis import hlo
-from jaxscale.models import llama
+from jaxscale.models import layers
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 
@@ -28,27 +28,27 @@ def _take_grad(table, tokens, g):
     return jax.vjp(lambda t: jnp.take(t, tokens, axis=0), table)[1](g)[0]
 
 
-@pytest.mark.parametrize("one_hot_max", [llama.ONE_HOT_MAX_VOCAB, 0])
+@pytest.mark.parametrize("one_hot_max", [layers.ONE_HOT_MAX_VOCAB, 0])
 def test_embedding_gradient_equals_the_scatter_add(monkeypatch, one_hot_max):
-    monkeypatch.setattr(llama, "ONE_HOT_MAX_VOCAB", one_hot_max)   # 0: the sorted segment sum
+    monkeypatch.setattr(layers, "ONE_HOT_MAX_VOCAB", one_hot_max)   # 0: the sorted segment sum
     rng = np.random.default_rng(0)
     table = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 50, (3, 40)), jnp.int32)
     g = jnp.asarray(rng.normal(size=(3, 40, 8)), jnp.float32)
-    out, vjp = jax.vjp(lambda t: llama.embed_lookup(t, tokens), table)
+    out, vjp = jax.vjp(lambda t: layers.embed_lookup(t, tokens), table)
     np.testing.assert_array_equal(out, jnp.take(table, tokens, axis=0))
     np.testing.assert_allclose(vjp(g)[0], _take_grad(table, tokens, g), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("one_hot_max", [llama.ONE_HOT_MAX_VOCAB, 0])
+@pytest.mark.parametrize("one_hot_max", [layers.ONE_HOT_MAX_VOCAB, 0])
 def test_embedding_gradient_accumulates_16_bit_gradients_in_fp32(monkeypatch, one_hot_max):
     """4,096 bf16 contributions to one row: summed in bf16 they lose ~2 digits; in fp32 they
     round once, at the end."""
-    monkeypatch.setattr(llama, "ONE_HOT_MAX_VOCAB", one_hot_max)
+    monkeypatch.setattr(layers, "ONE_HOT_MAX_VOCAB", one_hot_max)
     table = jnp.zeros((4, 16), jnp.bfloat16)
     tokens = jnp.zeros((1, 4096), jnp.int32)
     g = jnp.full((1, 4096, 16), 1.0 + 2 ** -7, jnp.bfloat16)       # exact in bf16
-    d = jax.vjp(lambda t: llama.embed_lookup(t, tokens), table)[1](g)[0]
+    d = jax.vjp(lambda t: layers.embed_lookup(t, tokens), table)[1](g)[0]
     assert d.dtype == jnp.bfloat16
     exact = jnp.asarray(4096 * (1.0 + 2 ** -7), jnp.bfloat16)
     np.testing.assert_array_equal(d[0], jnp.full((16,), exact))
@@ -58,7 +58,7 @@ def test_embedding_gradient_accumulates_16_bit_gradients_in_fp32(monkeypatch, on
 def test_small_vocabulary_takes_no_scatter(bf16_text, bf16_setup):
     """The embedding gradient is a matmul, not a scatter-add of every token into [V, D]."""
     m = bf16_setup.cfg.model
-    assert m.vocab_size <= llama.ONE_HOT_MAX_VOCAB
+    assert m.vocab_size <= layers.ONE_HOT_MAX_VOCAB
     scatters = [i for i in hlo.Module(bf16_text).instrs if i.opcode == "scatter"]
     into_table = [i for i in scatters if any(d[-1:] == (m.dim,) for _, d in hlo.shapes(i.type_str))]
     assert not into_table, [f"{i.name} {i.type_str}" for i in into_table]

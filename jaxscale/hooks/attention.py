@@ -19,9 +19,10 @@ is linear; see experiments/24_flash_attention.py (speed table) and docs/attentio
 Sharding: `xla` and `blockwise` are plain jnp and partition under GSPMD. A Pallas call is opaque to
 GSPMD (it would be replicated), so under `axes.use_rules` `pallas` runs inside `jax.shard_map` over
 the mesh axes of the logical `batch` and `heads`/`kv_heads` axes (each device: its batch rows and
-its query heads with their own kv heads). The sequence stays whole per device unless the rules
-split it over `sp`: then `kernels/context.py` runs ring, Ulysses or all-gather attention (the
-rules' `context`); if kv heads are not split like the query heads, heads stay whole.
+its query heads with their own kv heads); if kv heads are not split like the query heads, heads
+stay whole. The sequence stays whole per device unless the rules split it over `sp`: then the
+implementation registered for the rules' `context` seam runs (ring, Ulysses or all-gather
+attention, `jaxscale.strategies.sp`), each of its blocks on one of the implementations here.
 All implementations share the reference semantics of `kernels/reference.py`: fp32 softmax, GQA
 without repeating K/V, rows with no allowed key give zeros.
 """
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxscale import axes
+from jaxscale.hooks import implementation as seam
 from jaxscale.kernels.reference import reference_attention
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "pallas")
@@ -114,19 +116,28 @@ def _pallas(q, k, v, *, causal, segment_ids, window):
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
-def resolve(implementation: str, q, k, *, causal: bool = True, segment_ids=None,
-            window: int | None = None) -> str:
-    """The concrete implementation `implementation` means for these inputs on this backend."""
+def choose(implementation: str, T: int, S: int, *, gpu: bool, cudnn: bool = True) -> str:
+    """What `implementation` means for T queries and S keys: itself unless `auto`, which is, on
+    an NVIDIA GPU, `cudnn` when it accepts the call (`cudnn`) else `pallas`, and elsewhere `xla`
+    up to `AUTO_XLA_MAX_SCORES` scores per (batch, head), `blockwise` beyond. The one rule
+    behind the model's choice (`resolve`), a context-parallel hop's and the planner's."""
     if implementation not in IMPLEMENTATIONS + ("auto",):
         raise ValueError(f"unknown attention implementation {implementation!r}; "
                          f"valid: {', '.join(IMPLEMENTATIONS + ('auto',))}")
     if implementation != "auto":
         return implementation
-    if _on_cuda_gpu():
-        if segment_ids is None and _cudnn_unsupported(q, k, segment_ids, window, causal) is None:
-            return "cudnn"
-        return "pallas"
-    return "xla" if q.shape[1] * k.shape[1] <= AUTO_XLA_MAX_SCORES else "blockwise"
+    if gpu:
+        return "cudnn" if cudnn else "pallas"
+    return "xla" if T * S <= AUTO_XLA_MAX_SCORES else "blockwise"
+
+
+def resolve(implementation: str, q, k, *, causal: bool = True, segment_ids=None,
+            window: int | None = None) -> str:
+    """The concrete implementation `implementation` means for these inputs on this backend."""
+    gpu = _on_cuda_gpu()
+    cudnn = gpu and segment_ids is None and \
+        _cudnn_unsupported(q, k, segment_ids, window, causal) is None
+    return choose(implementation, q.shape[1], k.shape[1], gpu=gpu, cudnn=cudnn)
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | None = None,
@@ -134,16 +145,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | N
     """q [B, T, H, D], k/v [B, S, K, D] -> [B, T, H, D]; see the module docstring for choices.
 
     Under rules that split the sequence over `sp` (context parallelism), the tokens are in the
-    zig-zag layout and attention runs as `plan.context` says (`kernels/context.py`), each hop or
+    zig-zag layout and attention runs by the rules' `context` seam (`plan.context`), each hop or
     head group on `implementation`."""
-    ctx = axes.active()
-    if ctx is not None and ctx[1].context:
+    context = seam("context")
+    if context is not None:
         if window is not None:
             raise ValueError("a sliding window is not supported with context parallelism "
                              "(mesh.sp > 1): use mesh.sp=1 for windowed attention")
-        from jaxscale.strategies.sp.context import context_attention
-        return context_attention(q, k, v, method=ctx[1].context, causal=causal,
-                                 segment_ids=segment_ids, implementation=implementation)
+        fn, mesh, rules = context
+        return fn(q, k, v, mesh=mesh, rules=rules, causal=causal, segment_ids=segment_ids,
+                  implementation=implementation)
     impl = resolve(implementation, q, k, causal=causal, segment_ids=segment_ids, window=window)
     if impl == "xla":
         return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)

@@ -87,10 +87,11 @@ def build_config(args, out: Path | None = None):
 
 def run(args) -> int:
     from jaxscale import planner
+    from jaxscale.plan import Spec
     from jaxscale.planner import report, search
     out = Path(args.out or Path("runs") / "plan" / _name(args))
     cfg = build_config(args, out)
-    spec = planner.Spec.from_config(cfg, args.devices)
+    spec = Spec.from_config(cfg, args.devices)
     if args.search:
         res = search.search(cfg, args.devices, base=spec,
                             include_unavailable=args.include_unavailable)

@@ -22,7 +22,7 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
 - update: the gradient buffer + the strategies' (ZeRO-1: the all-reduced gradients;
   accumulation: the accumulator; host offload: one streamed piece, a layer's state and update,
   `offload.memory`). The update writes the donated state in place (its non-finite guard is a
-  `lax.cond`, `precision.update_if_finite`), so no copy of the state is kept.
+  `lax.cond`, `train.step.update_if_finite`), so no copy of the state is kept.
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
 (`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
 `docs/planner.md` gives the predicted-vs-compiled table (temp within 20% on 45 of 47 cpu8 plans).
@@ -36,9 +36,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from jaxscale import plan as plan_lib
-from jaxscale.strategies.tables import params as params_lib
-from jaxscale.strategies.tables.activations import of_spec
-from jaxscale.strategies import fsdp, pp, zero
+from jaxscale.strategies import fsdp, pp, remat, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.zero import STAGE_OF
 
@@ -94,7 +92,7 @@ class Memory:
 def model_terms(spec, full) -> list[Term]:
     """The terms every plan has, whatever its strategies: the gradient buffer, one layer's
     working activations, the fp32 logits and their gradient."""
-    sh = params_lib.shards(spec)
+    sh = zero.shards(spec)
     # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
     # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
     grads = (sh.grads if fsdp.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
@@ -126,7 +124,7 @@ def attention_tiles(spec) -> float:
 
 
 def estimate(spec) -> Memory:
-    full = of_spec(spec, "none")         # one layer's activations without remat
+    full = remat.activations(spec, "none")   # one layer's activations without remat
     terms = model_terms(spec, full) + plan_lib.memory_terms(spec)
     row = {r: sum(t.bytes for t in terms if t.row == r) for r in
            ("params", "master", "grads", "optimizer", "activations", "backward", "update")}

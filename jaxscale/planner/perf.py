@@ -40,12 +40,13 @@ from jaxscale.strategies.common import Comm
 from jaxscale.strategies.pp import bubble_fraction
 from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
+from jaxscale.strategies.tables.activations import expert_rows, ragged_dense
 
 
 def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows: float = 0.0,
                           moe_share: float = 1.0) -> dict:
     """Forward matmul FLOPs per token of one block, by part; a mixture of experts computes
-    `expert_rows` expert MLP rows per token (`ep.expert_rows`: the slots of its capacity buffer,
+    `expert_rows` expert MLP rows per token (`tables.activations.expert_rows`: the slots of its capacity buffer,
     padding included) plus the router, in `moe_share` of the layers (the rest are dense)."""
     d, hd, H, K, f, E = (model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim,
                          model.moe_experts)
@@ -114,22 +115,21 @@ def flops(spec) -> Flops:
 
 def moe_rows(spec) -> tuple[float, float]:
     """(expert MLP rows computed per token, fraction of MoE layers) as the compiled step does it:
-    `ep.expert_rows`, except that dropless without ep on a CPU runs `jax.lax.ragged_dot`'s
+    `expert_rows`, except that dropless without ep on a CPU runs `jax.lax.ragged_dot`'s
     reference lowering, a dense matmul of every row with every expert (E k rows per token)."""
-    from jaxscale.strategies import ep
     m = spec.model
     if not spec.moe:
         return 0.0, 0.0
-    rows = ep.expert_rows(spec)
-    if ep.ragged_dense(spec):
+    rows = expert_rows(spec)
+    if ragged_dense(spec):
         rows *= m.moe_experts
     return rows, m.n_moe_layers / m.n_layers
 
 
 def embedding_gradient(spec, tokens: float) -> float:
     """The embedding gradient's one-hot matmul, on the first stage, for small vocabularies
-    (`jaxscale.models.llama.embed_lookup`): 2 x vocabulary / tp x dim per local token."""
-    from jaxscale.models.llama import ONE_HOT_MAX_VOCAB
+    (`jaxscale.models.layers.embed_lookup`): 2 x vocabulary / tp x dim per local token."""
+    from jaxscale.models.layers import ONE_HOT_MAX_VOCAB
     m = spec.model
     if m.vocab_size > ONE_HOT_MAX_VOCAB:
         return 0.0

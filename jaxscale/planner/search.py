@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from jaxscale import plan as plan_lib
 from jaxscale.axes import MESH_AXES as AXES
 from jaxscale.plan import Spec
+from jaxscale.planner.predict import predict, predict_spec
 from jaxscale.strategies.remat import SEARCHED
 
 REMATS = SEARCHED
@@ -99,7 +100,6 @@ def candidates(base: Spec) -> list[Spec]:
 def search(cfg, n_devices: int | None = None, *, base: Spec | None = None,
            limit: float | None = None, include_unavailable: bool = False) -> Result:
     """Enumerate, validate, predict and rank; `limit` overrides the device memory (bytes)."""
-    from jaxscale.planner import predict_spec
     base = base or Spec.from_config(cfg, n_devices)
     res = Result()
     for spec in candidates(base):
@@ -160,7 +160,6 @@ def fitting_changes(spec: Spec, max_changes: int = 3) -> list[tuple[str, object]
     fastest first: [(overrides, Prediction)]."""
     from itertools import combinations
 
-    from jaxscale.planner import predict_spec
     single = fixes(spec)
     for n in range(1, max_changes + 1):
         found = []
@@ -197,3 +196,11 @@ def does_not_fit_message(pred) -> str:
         lines.append("No combination of up to three changes fits: use more devices, a smaller "
                      "batch or sequence, or run `jaxscale plan --search`.")
     return "\n".join(lines)
+
+
+def check_fits(cfg, n_devices: int | None = None) -> None:
+    """Raise ValueError when the plan's predicted per-device memory exceeds the device's; the
+    message names the largest consumers and the cheapest changes that would make it fit."""
+    pred = predict(cfg, n_devices)
+    if not pred.fits:
+        raise ValueError(does_not_fit_message(pred))

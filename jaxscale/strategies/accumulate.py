@@ -14,6 +14,7 @@ visible in the census), trading communication for a sharded accumulator under Ze
 from __future__ import annotations
 
 from jaxscale.axes import constrain
+from jaxscale.strategies import zero
 from jaxscale.strategies.common import Term
 
 NAME = "accumulate"
@@ -48,14 +49,19 @@ def memory(spec) -> list[Term]:
     """The fp32 gradient accumulator, live through the backward and into the update."""
     if not active(spec):
         return []
-    from jaxscale.strategies.tables.params import shards
-    acc = shards(spec).params * 4
+    acc = zero.shards(spec).params * 4
     return [Term("backward", acc, "fp32 gradient accumulator"),
             Term("update", acc, "fp32 gradient accumulator")]
 
 
 def label(spec) -> list[str]:
     return [f"acc{spec.accumulate}"] if active(spec) else []
+
+
+def shape_step(spec, parts) -> None:
+    """The step: the gradients summed over the plan's micro-batches (`grads`)."""
+    import functools
+    parts.set("accumulate", functools.partial(grads, k=max(1, spec.accumulate)), by=NAME)
 
 
 def split(batch: dict, k: int) -> dict:

@@ -1,7 +1,8 @@
-"""What strategies share: the records of a collective and of a memory term, and sizes."""
+"""What strategies share: the records of a collective, of a memory term and of the step's parts."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with numpy)
 import numpy as np
@@ -79,3 +80,99 @@ def dp_only(spec, option: str, why: str, off: str) -> list[str]:
     return [f"{option} runs on data-parallel plans over mesh.dp alone, not with "
             f"{', '.join(other)}{': ' + why if why else ''}; set them to 1 or {off}"]
 
+
+# ----------------------------------------------------------------------------- the step's parts
+#: what a strategy may set in `StepParts` (each part by one strategy): who sets it, and what it is
+PARTS = {
+    "policy": "precision: the `precision.Policy` (dtypes, master weights, loss scaling)",
+    "state_specs": "zero: (model specs, shapes, axis sizes) -> `zero.StateSpecs`, the mesh "
+                   "specs of each part of the train state",
+    "memory_kinds": "offload: {part of the train state: the memory kind it lives in between "
+                    "steps} for the parts kept in host memory",
+    "layer_order": "pp: the stored order of the stacked layers (None: the model's)",
+    "state_optimizer": "local_sgd: optimizer -> the one whose state is `TrainState.opt_state`",
+    "block_wrapper": "remat: f -> f, applied to each block's pure function",
+    "batch_view": "sp: batch -> batch, before the loss (the token layout, true positions)",
+    "batch_seq": "sp: the logical axis of the batch's sequence dimension (None: whole)",
+    "accumulate": "accumulate: (loss fn, params, batch, combine=None) -> (gradients, aux), "
+                  "summed over the micro-batches",
+    "grads": "pp: (model, placement, block_wrapper, forward_only=False) -> the grads function",
+    "probe": "qat: a `Probe`, inputs of the model whose cotangents the step reads",
+    "reduce": "compression, sparse_embedding: (grads fn, placement) -> the grads fn with its "
+              "gradient mean over dp computed in shard_map, per-device state in and out",
+    "update": "offload: (ctx) -> the optimizer update (streamed through the device)",
+    "after_update": "prune: (ctx) -> fn(updated target, updates done) -> target",
+    "train_step": "local_sgd: (ctx) -> the whole train step",
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Inputs a strategy adds to the model beside its parameters, differentiated with them so
+    that the step reads what the forward and backward saw (fp8 QAT: each layer's scales in, the
+    amaxes its matmuls met out, as their cotangent). It lives in `TrainState.<field>`."""
+    field: str
+    read: Callable            # state part -> the inputs
+    wrap: Callable            # loss fn(params, batch) -> fn((params, inputs), batch)
+    combine: Callable         # how the micro-batches' cotangents combine (e.g. jnp.maximum)
+    write: Callable           # (state part, cotangent, finite) -> the new state part
+
+
+@dataclass
+class StepParts:
+    """The parts of the train state and step that a plan's strategies set: each strategy's
+    optional `shape_step(spec, parts)`, called in the plan's written order by
+    `jaxscale.plan.step_parts`; `jaxscale.train` builds the state and the step from them.
+
+    `PARTS` names each part and the strategy that sets it. Besides: `state` maps a `TrainState`
+    field to its initialiser `init(params, optimizer)` (`comm`: per-device state, [dp, ...]
+    leaves split over the data axes; `quant`: replicated), set as `state.<field>`;
+    `compiler_options` are XLA's options for the jitted step. An unset part keeps the plain
+    step's behaviour; two strategies setting one part is an error naming both, as two rules for
+    one logical axis are."""
+    policy: object = None
+    state_specs: Callable | None = None
+    memory_kinds: dict = field(default_factory=dict)
+    layer_order: list | None = None
+    state_optimizer: Callable | None = None
+    block_wrapper: Callable | None = None
+    batch_view: Callable | None = None
+    batch_seq: str | None = "seq"
+    accumulate: Callable | None = None
+    grads: Callable | None = None
+    probe: Probe | None = None
+    reduce: Callable | None = None
+    update: Callable | None = None
+    after_update: Callable | None = None
+    train_step: Callable | None = None
+    state: dict = field(default_factory=dict)
+    compiler_options: dict = field(default_factory=dict)
+    owner: dict = field(default_factory=dict)
+
+    def set(self, part: str, value, by: str) -> "StepParts":
+        name = part.split(".", 1)[1] if part.startswith("state.") else None
+        if part not in PARTS and name is None:
+            raise ValueError(f"{by} sets unknown step part {part!r}; the parts are "
+                             f"{', '.join(PARTS)} and state.<field>")
+        if part in self.owner:
+            raise ValueError(f"{self.owner[part]} and {by} both set the train step's {part!r}: "
+                             f"choose one of them")
+        self.owner[part] = by
+        if name is not None:
+            self.state[name] = value
+        else:
+            setattr(self, part, value)
+        return self
+
+
+def keep_if_finite(finite, new, old):
+    """The new values where the step was finite, else the old ones: a select, for values the
+    step computes anyway (the loss scale, error-feedback residuals, a streamed piece of state)."""
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def cast_tree(tree, dtype: str):
+    import jax
+    return jax.tree.map(lambda x: x.astype(dtype), tree)

@@ -21,13 +21,20 @@ rounding; R = E for dropless under ep, whose buffer is sized for the worst case)
 Dropless without ep runs per data shard (`on_data_shards`): no all-to-all, and its expert
 gradients are all-reduced over the data axes inside the shard_map.
 
-The step side: `to_experts` / `from_experts` run the dispatch and combine inside `jax.shard_map`
-over the mesh (the local scatter/gather of `models/moe.py`, one `lax.all_to_all` over `ep` when
-`experts` is split); the expert MLP between them is GSPMD-sharded by the rules.
+The step side: `Sharded`, the implementation of the model's `experts` seam
+(`jaxscale.hooks.experts`) under a plan: the dispatch and combine inside `jax.shard_map` over the
+mesh (the local scatter/gather of `models/moe.py`, one `lax.all_to_all` over `ep` when `experts`
+is split); the expert MLP between them is GSPMD-sharded by the rules.
 """
 from __future__ import annotations
 
+from jaxscale.axes import suspended
+from jaxscale.hooks import register
+from jaxscale.strategies import remat
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.fsdp import gather_axes
+from jaxscale.strategies.tables.activations import expert_rows, moe_layers, ragged_dense
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "ep"
 AVAILABLE = True
@@ -59,37 +66,11 @@ def problems(spec) -> list[str]:
 def rules(spec, rules) -> None:
     if spec.deg("ep") > 1:
         rules.add("experts", "ep", by="ep")
-
-
-def ragged(spec) -> bool:
-    """Dropless without ep: each token's k rows sorted by expert through `jax.lax.ragged_dot`."""
-    return bool(spec.model.moe_dropless) and spec.deg("ep") == 1
-
-
-def ragged_dense(spec) -> bool:
-    """`ragged` on a CPU, where `ragged_dot` lowers to its reference: a dense matmul of every
-    row with every expert."""
-    return ragged(spec) and spec.device_kind == "cpu"
-
-
-def expert_rows(spec) -> float:
-    """Expert rows per token of a MoE layer: E C / T slots of the capacity buffer (E in
-    dropless mode under ep: the worst case), or exactly k sorted rows for dropless without ep."""
-    m = spec.model
-    if ragged(spec):
-        return float(m.moe_top_k)
-    T = int(spec.local_seq)
-    return m.moe_experts * m.moe_capacity(T) / T
-
-
-def moe_layers(spec) -> int:
-    """MoE layers on the busiest pipeline stage."""
-    m = spec.model
-    return -(-m.n_moe_layers // spec.deg("pp")) if spec.moe else 0
+    if spec.moe:
+        rules.set_seam("experts", "sharded", by=NAME)
 
 
 def collectives(spec) -> list[Comm]:
-    from jaxscale.strategies.remat import actions
     e = spec.deg("ep")
     if e == 1 or not spec.moe:
         return []
@@ -97,7 +78,7 @@ def collectives(spec) -> list[Comm]:
     tokens = spec.micro_batch * spec.local_seq
     buf = tokens * expert_rows(spec) * m.dim * spec.compute_itemsize
     routed = tokens * m.moe_top_k * m.dim * spec.compute_itemsize
-    per_layer = 4 + (2 if actions(spec.remat)["mlp_down"] == "remat" else 0)
+    per_layer = 4 + (2 if remat.actions(spec.remat)["mlp_down"] == "remat" else 0)
     n = per_layer * L * k
     return [Comm("all-to-all", ("ep",), buf * n, n,
                  f"MoE dispatch and combine, forward and backward ({per_layer} per layer)",
@@ -106,15 +87,13 @@ def collectives(spec) -> list[Comm]:
 
 def memory(spec) -> list[Term]:
     """Expert weights follow the rules and the routed activations are in the layer table
-    (`planner.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
+    (`tables.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
     place) the backward of a scanned MoE layer holds a copy of the layer's expert weights sliced
     out of the stack, the operand of the batched expert matmuls; dropless without ep on a CPU
     holds the stacked expert gradient twice (read from XLA:CPU buffer assignments: dp2 x ep4,
     ep8, dp8 dropless)."""
-    from jaxscale.strategies.fsdp import gather_axes
     if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
         return []
-    from jaxscale.strategies.tables.params import leaves
     local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
     out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
                 "one MoE layer's expert weights, sliced out of the stack")]
@@ -130,84 +109,64 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step
-def _context():
-    from jaxscale import axes
-    return axes.active()
-
-
 def _one(axes: tuple):
     return axes[0] if len(axes) == 1 else axes
 
 
-def experts_split() -> bool:
-    """Whether the rules in force split the logical `experts` axis (expert parallelism)."""
-    ctx = _context()
-    return bool(ctx and ctx[1].table.get("experts"))
+@register("experts", "sharded")
+class Sharded:
+    """The dispatch under a plan (`jaxscale.hooks.experts`): each data shard scatters its own
+    tokens into its slot buffer inside `jax.shard_map` over the mesh; with `experts` split over
+    mesh axes, one all-to-all over them sends each expert's slots to the device holding it (and
+    the inverse one brings them back). The expert MLP between is GSPMD-sharded by the rules."""
 
+    @staticmethod
+    def to_experts(mesh, rules, scatter, x_BTD, idx_BTK, pos_BTK):
+        """The global buffer [E, B, C, D]: experts over ep, rows over the other data axes."""
+        import jax
+        from jax import lax
+        ex = rules.table.get("experts", ())
+        tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
 
-def to_experts(scatter, x_BTD, idx_BTK, pos_BTK):
-    """Dispatch: `scatter(x, idx, pos)` on each data shard fills its [E, b, C, D] slot buffer;
-    with experts over ep, one all-to-all sends each expert's slots to the device holding it.
-    Returns the global buffer [E, B, C, D]: experts over ep, rows over the other data axes."""
-    ctx = _context()
-    if ctx is None:
-        return scatter(x_BTD, idx_BTK, pos_BTK)
-    import jax
-    from jax import lax
-    from jaxscale.axes import suspended
-    mesh, rules = ctx
-    ex = rules.table.get("experts", ())
-    tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
+        def body(x, idx, pos):
+            with suspended():
+                b = scatter(x, idx, pos)
+            return lax.all_to_all(b, _one(ex), 0, 1, tiled=True) if ex else b
+        return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok), out_specs=buf)(
+            x_BTD, idx_BTK, pos_BTK)
 
-    def body(x, idx, pos):
-        with suspended():
-            b = scatter(x, idx, pos)
-        return lax.all_to_all(b, _one(ex), 0, 1, tiled=True) if ex else b
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok), out_specs=buf)(
-        x_BTD, idx_BTK, pos_BTK)
+    @staticmethod
+    def from_experts(mesh, rules, gather, out_EBCD, idx_BTK, pos_BTK, w_BTK):
+        """Each slot back on its token's device, where `gather` weights and sums: [B, T, D]."""
+        import jax
+        from jax import lax
+        ex = rules.table.get("experts", ())
+        tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
 
+        def body(out, idx, pos, w):
+            out = lax.all_to_all(out, _one(ex), 1, 0, tiled=True) if ex else out
+            with suspended():
+                return gather(out, idx, pos, w)
+        return jax.shard_map(body, mesh=mesh, in_specs=(buf, tok, tok, tok), out_specs=tok)(
+            out_EBCD, idx_BTK, pos_BTK, w_BTK)
 
-def from_experts(gather, out_EBCD, idx_BTK, pos_BTK, w_BTK):
-    """Combine: the inverse all-to-all brings each slot back to its token's device, where
-    `gather(out, idx, pos, w)` weights and sums a token's expert outputs: [B, T, D]."""
-    ctx = _context()
-    if ctx is None:
-        return gather(out_EBCD, idx_BTK, pos_BTK, w_BTK)
-    import jax
-    from jax import lax
-    from jaxscale.axes import suspended
-    mesh, rules = ctx
-    ex = rules.table.get("experts", ())
-    tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
+    @staticmethod
+    def on_data_shards(mesh, rules, fn, x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
+        """Dropless without expert parallelism: `fn` on each data shard, the expert weights
+        whole but for `mlp` over tp (its partial sums all-reduced over tp after the combine).
+        The weights' gradients are all-reduced over the data axes inside."""
+        import jax
+        from jax import lax
+        from jax.sharding import PartitionSpec as P
+        tok, mlp = rules.spec(("batch", None, None)), rules.table.get("mlp", ())
+        col = P(None, None, _one(mlp) if mlp else None)
+        row = P(None, _one(mlp) if mlp else None, None)
 
-    def body(out, idx, pos, w):
-        out = lax.all_to_all(out, _one(ex), 1, 0, tiled=True) if ex else out
-        with suspended():
-            return gather(out, idx, pos, w)
-    return jax.shard_map(body, mesh=mesh, in_specs=(buf, tok, tok, tok), out_specs=tok)(
-        out_EBCD, idx_BTK, pos_BTK, w_BTK)
-
-
-def on_data_shards(fn, x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
-    """Dropless without expert parallelism: `fn(x, idx, w, w_gate, w_up, w_down)` on each data
-    shard, the expert weights whole but for `mlp` over tp (its partial sums all-reduced over tp
-    after the combine). The weights' gradients are all-reduced over the data axes inside."""
-    ctx = _context()
-    if ctx is None:
-        return fn(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)
-    import jax
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-    from jaxscale.axes import suspended
-    mesh, rules = ctx
-    tok, mlp = rules.spec(("batch", None, None)), rules.table.get("mlp", ())
-    col, row = P(None, None, _one(mlp) if mlp else None), P(None, _one(mlp) if mlp else None, None)
-
-    def body(x, idx, w, wg, wu, wd):
-        if mlp:       # the input's gradient is then summed over tp once, at [b, T, D]
-            x = lax.pcast(x, mlp, to="varying")
-        with suspended():
-            y = fn(x, idx, w, wg, wu, wd)
-        return lax.psum(y, mlp) if mlp else y
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row),
-                         out_specs=tok)(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)
+        def body(x, idx, w, wg, wu, wd):
+            if mlp:       # the input's gradient is then summed over tp once, at [b, T, D]
+                x = lax.pcast(x, mlp, to="varying")
+            with suspended():
+                y = fn(x, idx, w, wg, wu, wd)
+            return lax.psum(y, mlp) if mlp else y
+        return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row),
+                             out_specs=tok)(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import pp
+from jaxscale.strategies import pp, zero
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "fsdp"
 AVAILABLE = True
@@ -51,7 +52,6 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
-    from jaxscale.strategies.tables.params import leaves
     axes = gather_axes(spec)
     if not axes:
         return []
@@ -106,8 +106,7 @@ def memory(spec) -> list[Term]:
     """One gathered layer of weights and that layer's unreduced gradient, during the backward."""
     if not gather_axes(spec):
         return []
-    from jaxscale.strategies.tables.params import shards
-    return [Term("backward", 2 * shards(spec).gathered_layer * spec.wire_param_itemsize,
+    return [Term("backward", 2 * zero.shards(spec).gathered_layer * spec.wire_param_itemsize,
                  "one gathered layer and its unreduced gradient")]
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.strategies.common import Term, dtype_bytes, problems_of
+from jaxscale.strategies import zero
+from jaxscale.strategies.common import Term, cast_tree, dtype_bytes, problems_of
 
 NAME = "precision"
 AVAILABLE = True
@@ -31,6 +32,8 @@ AVAILABLE = True
 
 @dataclass(frozen=True)
 class Policy:
+    """The dtypes of a run, whether it keeps fp32 master weights, and its dynamic loss scaling:
+    what the step asks of the precision strategy (`StepParts.policy`)."""
     name: str
     param_dtype: str
     compute_dtype: str
@@ -38,6 +41,30 @@ class Policy:
     master: bool
     loss_scale: float | None           # initial dynamic scale; None: no scaling
     growth_interval: int = 200
+
+    def working(self, target):
+        """The working parameters of an updated target: the fp32 master cast to the 16-bit
+        parameter dtype, or the target itself without a master."""
+        return cast_tree(target, self.param_dtype) if self.master else target
+
+    def init_loss_scale(self):
+        """{"scale", "good_steps"} of dynamic loss scaling, or None without it."""
+        import jax.numpy as jnp
+        if self.loss_scale is None:
+            return None
+        return {"scale": jnp.asarray(self.loss_scale, jnp.float32),
+                "good_steps": jnp.zeros((), jnp.int32)}
+
+    def next_loss_scale(self, ls, finite):
+        """Halve on overflow; double after `growth_interval` finite steps in a row."""
+        import jax.numpy as jnp
+        if ls is None:
+            return None
+        good = jnp.where(finite, ls["good_steps"] + 1, 0)
+        grow = good >= self.growth_interval
+        scale = jnp.where(finite, jnp.where(grow, ls["scale"] * 2.0, ls["scale"]),
+                          jnp.maximum(ls["scale"] / 2.0, 1.0))
+        return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
 _BASE = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16", True),
@@ -94,9 +121,8 @@ def compute_itemsize(spec) -> int:
 def state_bytes(spec) -> dict[str, float]:
     """Per-device bytes of the model state with Adam: working parameters, gradients, fp32 master
     weights (16-bit policies) and the optimizer moments (`Spec.moments`; fp32 for 16-bit policies), over the elements
-    each part keeps under the plan (`jaxscale.strategies.tables.params.shards`: the rules and ZeRO)."""
-    from jaxscale.strategies.tables.params import shards
-    sh = shards(spec)
+    each part keeps under the plan (`zero.shards`: the rules and ZeRO)."""
+    sh = zero.shards(spec)
     pb = param_itemsize(spec)
     return {"params": sh.params * pb, "grads": sh.grads * pb,
             "master": sh.optimizer * 4 if mixed(spec) else 0.0,
@@ -133,54 +159,6 @@ def label(spec) -> list[str]:
     return []      # the plan's label always ends with its precision
 
 
-# ----------------------------------------------------------------------------- the step
-def init_loss_scale(pol: Policy):
-    import jax.numpy as jnp
-    if pol.loss_scale is None:
-        return None
-    return {"scale": jnp.asarray(pol.loss_scale, jnp.float32), "good_steps": jnp.zeros((), jnp.int32)}
-
-
-def update_loss_scale(ls, finite, growth_interval: int):
-    """Halve on overflow; double after `growth_interval` finite steps in a row."""
-    import jax.numpy as jnp
-    if ls is None:
-        return None
-    good = jnp.where(finite, ls["good_steps"] + 1, 0)
-    grow = good >= growth_interval
-    scale = jnp.where(finite, jnp.where(grow, ls["scale"] * 2.0, ls["scale"]),
-                      jnp.maximum(ls["scale"] / 2.0, 1.0))
-    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
-
-
-def cast_tree(tree, dtype: str):
-    import jax
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
-
-
-def keep_if_finite(finite, new, old):
-    """The new values where the step was finite, else the old ones: a select, for values the
-    step computes anyway (the loss scale, error-feedback residuals, a streamed piece of state)."""
-    import jax
-    import jax.numpy as jnp
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
-def update_if_finite(finite, fn, inputs, state, mesh, specs):
-    """The step's guard on the optimizer update: `fn(inputs, state)` (the new state) where the
-    step was finite, else `state` untouched, as one `lax.cond`.
-
-    Not a select of new against old: the old state is donated and updated in place, and a
-    select reads it again after the update, so XLA copies the whole fp32 state at the step's
-    entry (tiny dp8 bf16: compiled temp 6.78 MB with the select, 4.34 MB with the cond, the
-    same as with no guard). The cond runs in `jax.shard_map` on each device's own shards
-    (`specs`: the inputs' and the state's mesh specs): the update is element-wise there, so the
-    branch needs no collective, and GSPMD has no branch to reshard the state through (a cond
-    under GSPMD added collective-permutes to ZeRO-1 on dp2xfsdp2xtp2)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    def guarded(finite, inputs, state):
-        return jax.lax.cond(finite, fn, lambda _, s: s, inputs, state)
-    return jax.shard_map(guarded, mesh=mesh, in_specs=(P(),) + tuple(specs),
-                         out_specs=specs[1], check_vma=False)(finite, inputs, state)
+def shape_step(spec, parts) -> None:
+    """The step: its dtypes, master weights and loss scaling (`Policy`)."""
+    parts.set("policy", policy(spec), by=NAME)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxscale.strategies.common import Term, problems_of
+from jaxscale.strategies.tables import activations as tables
 
 NAME = "remat"
 AVAILABLE = True
@@ -34,24 +35,24 @@ ACTIONS = ("save", "remat", "offload")
 #: what `jaxscale plan --search` tries, least memory saved first (the others lie between these)
 SEARCHED = ("none", "save_dots", "full")
 #: what `save_dots` keeps: the outputs of the weight matmuls (`dots_with_no_batch_dims_saveable`)
-SAVE_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+SAVE_DOTS = tables.MATMUL_TAGS
 #: what `offload` sends to host memory
 OFFLOADED = ("q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 
 
-def parse(spec: str) -> dict[str, str] | str:
+def parse(policy: str) -> dict[str, str] | str:
     """A policy name, or a custom {tag: action} mapping from 'tag:action,...'."""
     from jaxscale.models.llama import TAGS
-    if spec in POLICIES:
-        return spec
-    if spec == "":
+    if policy in POLICIES:
+        return policy
+    if policy == "":
         return "none"
-    if ":" not in spec:
-        raise ValueError(f"unknown plan.remat {spec!r}; valid: {', '.join(POLICIES)}, or a custom "
+    if ":" not in policy:
+        raise ValueError(f"unknown plan.remat {policy!r}; valid: {', '.join(POLICIES)}, or a custom "
                          f"mapping like 'attn_out:save,mlp_hidden:offload' over the model's tags: "
                          f"{', '.join(TAGS)}")
     mapping = {}
-    for item in spec.split(","):
+    for item in policy.split(","):
         name, _, action = item.strip().partition(":")
         if name not in TAGS:
             raise ValueError(f"plan.remat names unknown activation {name!r}; the model's tags are: "
@@ -63,10 +64,10 @@ def parse(spec: str) -> dict[str, str] | str:
     return mapping
 
 
-def actions(spec: str) -> dict[str, str]:
+def actions(policy: str) -> dict[str, str]:
     """tag -> save | remat | offload for every tag (the layer input is always saved)."""
     from jaxscale.models.llama import TAGS
-    p = parse(spec)
+    p = parse(policy)
     if p == "none":
         return {t: "save" for t in TAGS}
     if p == "full":
@@ -98,11 +99,20 @@ def collectives(spec) -> list:
     return []
 
 
+def activations(spec, policy: str | None = None) -> tables.LayerActivations:
+    """One layer's activations per device for one micro-batch of `spec` under a remat policy
+    (default: the plan's), from the block's table (`tables.activations`)."""
+    policy = spec.remat if policy is None else policy
+    return tables.layer_activations(
+        spec.model, spec.seq, spec.micro_batch * spec.local_seq, spec.compute_itemsize,
+        tables.split(spec), None if parse(policy) == "none" else actions(policy),
+        spec.attention, tables.experts(spec))
+
+
 def memory(spec) -> list[Term]:
     """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
     offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`)."""
-    from jaxscale.strategies.tables.activations import of_spec
-    la = of_spec(spec)
+    la = activations(spec)
     n = spec.stage_layers
     out = [Term("activations", la.saved * n, f"saved for the backward (remat={spec.remat})")]
     if la.host:
@@ -116,10 +126,10 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step
-def checkpoint_policy(spec: str):
-    """The `jax.checkpoint` policy for `spec`, or None for no checkpointing."""
+def checkpoint_policy(policy: str):
+    """The `jax.checkpoint` policy for `policy`, or None for no checkpointing."""
     import jax
-    p = parse(spec)
+    p = parse(policy)
     cp = jax.checkpoint_policies
     if p == "none":
         return None
@@ -140,10 +150,16 @@ def checkpoint_policy(spec: str):
         offload_src="device", offload_dst="pinned_host")
 
 
-def block_wrapper(spec: str) -> Callable | None:
+def block_wrapper(policy: str) -> Callable | None:
     """What the model applies to each block's pure function: `jax.checkpoint` with the policy."""
     import jax
-    if parse(spec) == "none":
+    if parse(policy) == "none":
         return None
-    policy = checkpoint_policy(spec)
-    return lambda f: jax.checkpoint(f, policy=policy)
+    saved = checkpoint_policy(policy)
+    return lambda f: jax.checkpoint(f, policy=saved)
+
+
+def shape_step(spec, parts) -> None:
+    """The step: every block's pure function wrapped in `jax.checkpoint` with the policy."""
+    if active(spec):
+        parts.set("block_wrapper", block_wrapper(spec.remat), by=NAME)

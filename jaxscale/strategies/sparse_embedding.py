@@ -25,7 +25,9 @@ head, whose gradient is dense) and without `plan.compression`.
 """
 from __future__ import annotations
 
+from jaxscale.strategies import compression
 from jaxscale.strategies.common import Comm, Term, dp_only
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "sparse_embedding"
 AVAILABLE = True
@@ -71,7 +73,6 @@ def rules(spec, rules) -> None:
 def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
-    from jaxscale.strategies.tables.params import leaves
     n, R, D = spec.deg("dp"), rows(spec), spec.model.dim
     rest = sum(leaf.size for leaf in leaves(spec.model) if leaf.use != "embedding")
     return [Comm("all-reduce", ("dp",), 4 * rest, 1, "the other gradients' mean", group=n,
@@ -99,6 +100,14 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step side
+def shape_step(spec, parts) -> None:
+    """The step: the gradient mean over dp in shard_map (`compression.wrap`), the embedding's by
+    the exchange of touched rows (`mean`)."""
+    if active(spec):
+        parts.set("reduce", lambda grads_fn, placement: compression.wrap(
+            grads_fn, placement, mean=mean(spec)), by=NAME)
+
+
 def mean(spec, key: str = "embed"):
     """(weighted local gradients, state, local batch) -> (mean gradients, state), inside
     `shard_map` over dp: `strategies.compression.wrap`'s `mean` for this plan."""

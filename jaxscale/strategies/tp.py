@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.remat import actions
+from jaxscale.strategies.tables.activations import expert_rows, moe_layers, stream_bytes
 
 NAME = "tp"
 AVAILABLE = True
 SHARDED = ("heads", "kv_heads", "mlp", "vocab")
+#: the column-parallel sites (gather the residual stream, split the output features) and the
+#: row-parallel ones (contract split features, scatter back to the residual stream)
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW = ("wo", "w_down")
 _FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 
 
@@ -47,18 +53,12 @@ def rules(spec, rules) -> None:
             rules.add(name, "tp", by="tp")
 
 
-def _activation_bytes(spec) -> float:
-    """One [micro-batch, local sequence, dim] activation in the compute dtype (bsh)."""
-    return spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
-
-
 def collectives(spec) -> list[Comm]:
     t = spec.deg("tp")
     if t == 1:
         return []
-    from jaxscale.strategies.remat import actions
     L, k = spec.stage_layers, max(1, spec.accumulate)
-    act = _activation_bytes(spec)
+    act = stream_bytes(spec)
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
     fwd, bwd = (2 + redo) * L * k, 5 * L * k
     ko = pp.outer_runs(spec)             # embedding and head: on their pipeline stage
@@ -77,9 +77,8 @@ def collectives(spec) -> list[Comm]:
                      "final norm output into the LM head, forward and backward", group=t),
                 Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
-        from jaxscale.strategies import overlap
-        if overlap.active(spec):    # collective matmul: the block's gathers and scatters are
-            rows = rows[2:]         # ring permutes, counted by overlap.collectives
+        if spec.tp_overlap != "none":  # collective matmul: the block's gathers and scatters
+            rows = rows[2:]             # are ring permutes, counted by overlap.collectives
     else:
         extra, moe_redo = _expert_extra(spec)      # MoE layers: their MLP's on the slot buffer
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,
@@ -95,15 +94,13 @@ def collectives(spec) -> list[Comm]:
 
 
 def _expert_extra(spec) -> tuple[float, int]:
-    """A MoE layer's MLP all-reduces act on its slot buffer, R = `ep.expert_rows` rows per
+    """A MoE layer's MLP all-reduces act on its slot buffer, R = `expert_rows` rows per
     token, not on bsh: the expert outputs forward, the gate and up input gradients backward
     (and the outputs again when remat replays the experts). Returns (the bytes beyond the dense
     count, in bsh units, and the extra all-reduces of a replay)."""
     if not spec.moe:
         return 0.0, 0
-    from jaxscale.strategies import ep
-    from jaxscale.strategies.remat import actions
-    k, Lm, r = max(1, spec.accumulate), ep.moe_layers(spec), ep.expert_rows(spec)
+    k, Lm, r = max(1, spec.accumulate), moe_layers(spec), expert_rows(spec)
     redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
     return (3 * (r - 1) + redo * r) * Lm * k, redo * Lm * k
 
@@ -112,7 +109,7 @@ def memory(spec) -> list[Term]:
     """The buffers of the backward's q/k/v input-gradient all-reduces (3 bsh)."""
     if not active(spec):
         return []
-    bsh = _activation_bytes(spec) / (spec.deg("tp") if spec.sequence_parallel else 1)
+    bsh = stream_bytes(spec) / (spec.deg("tp") if spec.sequence_parallel else 1)
     return [Term("backward", 3 * bsh, "q/k/v input-gradient all-reduce buffers")]
 
 

@@ -22,7 +22,7 @@ backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's, over (dp,
 the gradient reduction is the data axes', `dp.py`). XLA may turn stage 1's all-reduce + slice
 into a reduce-scatter itself.
 
-In the step (`jaxscale.train`): `state_specs` gives each part of the train state its layout;
+In the step (`shape_step`): `state_specs` gives each part of the train state its layout;
 gradients take the sharded layout from stage 2 (`StateSpecs.grads`).
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "zero"
 AVAILABLE = True
@@ -100,6 +101,39 @@ def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int]
                       shards=sharded, grads=sharded if zero_stage >= 2 else model_specs)
 
 
+@dataclass(frozen=True)
+class Shards:
+    """Per-device element counts of the model state under a plan."""
+    params: float                 # stored parameters (after fsdp/tp/pp/ep and ZeRO-3 over dp)
+    grads: float                  # gradients after reduction (ZeRO-2/3: also over dp)
+    optimizer: float              # elements of one optimizer moment (ZeRO-1+: also over dp)
+    gathered_layer: float         # one layer's parameters once gathered over fsdp (and dp, ZeRO-3)
+    total: int
+
+
+def shards(spec) -> Shards:
+    """Per-device elements of each part of the model state under `spec`: its rules
+    (`Leaf.local_size`), and ZeRO's shard factor over dp per part (the `fsdp` axis always shards
+    all three parts: it *is* ZeRO-3 over its devices)."""
+    model = spec.model
+    ls = leaves(model)
+    local = sum(leaf.local_size(spec) for leaf in ls)
+    gathered = [leaf.local_size(spec, drop=("fsdp",)) for leaf in ls]
+    per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / max(
+        1, math.ceil(model.n_layers / spec.deg("pp")))
+    if not model.scan_layers:
+        per_layer = max(sum(g for g, leaf in zip(gathered, ls)      # the largest layer
+                            if leaf.path.startswith(f"layers/{i}/"))
+                        for i in range(model.n_layers))
+    return Shards(
+        params=local / shard_factor(spec, "params"),
+        grads=local / shard_factor(spec, "grads"),
+        optimizer=local / shard_factor(spec, "optimizer"),
+        gathered_layer=per_layer,
+        total=sum(leaf.size for leaf in ls),
+    )
+
+
 # ----------------------------------------------------------------------------- protocol
 def active(spec) -> bool:
     return stage(spec) > 0
@@ -124,7 +158,6 @@ def collectives(spec) -> list[Comm]:
     z = stage(spec)
     if z not in (1, 2):
         return []
-    from jaxscale.strategies.tables.params import shards
     local = shards(spec.with_(zero=0)).params * spec.wire_param_itemsize
     return [Comm("all-gather", (AXIS,), local, 1, "updated parameters, ZeRO-1/2",
                  group=spec.deg(AXIS), overlap=True)]
@@ -135,7 +168,6 @@ def memory(spec) -> list[Term]:
     (the state's own savings are in the state terms: `shard_factor`)."""
     if stage(spec) != 1:
         return []
-    from jaxscale.strategies.tables.params import shards
     sh = shards(spec)
     local = (sh.grads if spec.deg("fsdp") > 1 else sh.params) * spec.wire_param_itemsize
     return [Term("update", local, "the all-reduced gradients, ZeRO-1")]
@@ -143,3 +175,10 @@ def memory(spec) -> list[Term]:
 
 def label(spec) -> list[str]:
     return [f"zero{spec.zero}"] if spec.zero else []
+
+
+def shape_step(spec, parts) -> None:
+    """The state: each part's mesh specs for the stage (`state_specs`); the gradients take the
+    sharded layout from stage 2."""
+    import functools
+    parts.set("state_specs", functools.partial(state_specs, stage(spec)), by=NAME)

@@ -195,7 +195,7 @@ def _digest(meta: dict) -> str:
 def make_meta(cfg, state, step: int, last_row: dict | None = None,
               layer_order: list[int] | None = None) -> dict:
     """What a checkpoint says about itself; `layer_order`: the stored order of the stacked layers
-    when it is not the model's (interleaved pipelines, `strategies.pp.layer_order`)."""
+    when it is not the model's (interleaved pipelines, `strategies.pp.program.layer_order`)."""
     from jaxscale import config as config_lib
     meta = {
         "version": META_VERSION,
@@ -418,5 +418,5 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
     if restored != step:
         raise CorruptCheckpointError(
             f"checkpoint {Path(directory) / str(step)} holds state.step={restored}, not {step}")
-    from jaxscale.strategies.pp.engine import reorder
+    from jaxscale.strategies.pp.program import reorder
     return ckpt, reorder(state, meta.get("layer_order"), layer_order), meta, notes

@@ -16,8 +16,8 @@ student optimises, per real token,
 
     a x T^2 x KL(softmax(teacher / T) || softmax(student / T)) + (1 - a) x CE(student, target)
 
-(`train.distill_alpha` a, `train.distill_temperature` T; the KL term is
-`ptq.distillation_loss`; note `ptq.distill_objective`'s alpha weighs the CE instead).
+(`train.distill_alpha` a, `train.distill_temperature` T; the KL term is `distillation_loss`, the
+same objective over token means is `objective`).
 Both terms are token sums divided by the batch's real tokens, as the plain loss, so micro-batches
 and data-parallel devices average exactly. The step reports `loss` = the cross entropy (what
 eval reports) and `distill_kd` = the T^2 KL token mean. Costs: the teacher's parameters on every
@@ -39,10 +39,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
-from jaxscale.strategies.qat import ptq
 from jaxscale.fields import raise_problems
 
 
@@ -62,7 +62,7 @@ class Teacher:
         t_logits = jax.lax.stop_gradient(self.model.apply(
             teacher_params, batch["inputs"], batch.get("positions"), batch.get("segment_ids")))
         mask = batch["mask"].astype(jnp.float32)
-        kd = ptq.distillation_loss(student_logits, t_logits, self.temperature, mask)
+        kd = distillation_loss(student_logits, t_logits, self.temperature, mask)
         kd_sum = kd * jnp.maximum(jnp.sum(mask), 1.0)
         return self.alpha * kd_sum + (1.0 - self.alpha) * ce_sum, kd_sum
 
@@ -137,7 +137,7 @@ def problems(cfg, spec, teacher_cfg) -> list[str]:
 
 def load(cfg, placement, policy) -> Teacher:
     """The teacher of `cfg.train.teacher`, its parameters restored in the plan's shards."""
-    from jaxscale.strategies.pp.engine import reorder
+    from jaxscale.strategies.pp.program import reorder
     from jaxscale.train.state import FunctionalModel
     ckdir, step, tdict = locate(cfg.train.teacher)
     key = f"train.teacher={cfg.train.teacher!r}"
@@ -173,3 +173,36 @@ def load(cfg, placement, policy) -> Teacher:
         ckpt.close()
     return Teacher(tcfg, model, params, shardings, float(cfg.train.distill_temperature),
                    float(cfg.train.distill_alpha), str(ckdir / str(step)))
+
+
+# ----------------------------------------------------------------------------- the loss
+def _concrete(x) -> bool:
+    """A Python or NumPy number (checked); traced values (e.g. jit arguments) are not."""
+    return isinstance(x, (int, float, np.number))
+
+
+def distillation_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None):
+    """T^2 x KL(softmax(teacher / T) || softmax(student / T)), token mean over `mask` ([B, T];
+    None = every token). No gradient flows into the teacher. `temperature` may be traced."""
+    if _concrete(temperature) and not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    t = jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / temperature
+    s = student_logits.astype(jnp.float32) / temperature
+    logp_t, logp_s = jax.nn.log_softmax(t, -1), jax.nn.log_softmax(s, -1)
+    kl = jnp.sum(jnp.exp(logp_t) * (logp_t - logp_s), axis=-1)
+    mask = jnp.ones(kl.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return temperature ** 2 * jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def objective(student_logits, teacher_logits, targets, mask=None, alpha: float = 0.5,
+              temperature: float = 1.0):
+    """alpha x distillation_loss + (1 - alpha) x CE(student, targets), token means (alpha as
+    `train.distill_alpha`: the weight of the teacher); returns (loss, {"ce", "kd"})."""
+    if _concrete(alpha) and not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1]")
+    ce_tok = optax.softmax_cross_entropy_with_integer_labels(
+        student_logits.astype(jnp.float32), targets)
+    m = jnp.ones(ce_tok.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    ce = jnp.sum(ce_tok * m) / jnp.maximum(jnp.sum(m), 1.0)
+    kd = distillation_loss(student_logits, teacher_logits, temperature, m)
+    return alpha * kd + (1 - alpha) * ce, {"ce": ce, "kd": kd}

@@ -2,7 +2,7 @@
 checkpoints, exact resume, preemption and the non-finite policy.
 
 Per step it reports loss, gradient norm, learning rate, tokens/s, step time, MFU and `skipped`
-(a mixture of experts adds its router losses and dropped fraction, `step.MOE_METRICS`),
+(a mixture of experts adds its router losses and dropped fraction, `grads.MOE_METRICS`),
 where MFU = model FLOPs per token (`ModelConfig.flops_per_token`: 6 x matmul parameters + causal
 attention) x tokens/s / (peak FLOP/s per device x devices); the peak comes from
 `jaxscale.hardware` for `mesh.device_kind` and the compute dtype, or from `train.peak_flops`.
@@ -42,9 +42,8 @@ from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, make_batches
-from jaxscale.strategies import pp, precision
+from jaxscale.train.grads import DISTILL_METRICS, MOE_METRICS
 from jaxscale.train.setup import build
-from jaxscale.train.step import DISTILL_METRICS, MOE_METRICS
 
 
 
@@ -192,7 +191,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     cfg = config_lib.replace_resolved_mesh(cfg, setup.placement.mesh_cfg)
     ckdir = ckpt_lib.directory_for(cfg, out)
     start, notes = 0, []
-    order = pp.layer_order(setup.placement.spec)
+    order = setup.layout.layer_order
     if resume:
         ckpt, state, meta, notes = ckpt_lib.restore_latest(ckdir, cfg.ckpt, cfg,
                                                            setup.abstract_state(), order)
@@ -210,7 +209,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
         config_lib.save(cfg, out / "config.json")
     train_b, eval_b = make_batches(cfg.data)
     n_dev = jax.device_count()
-    compute = precision.compute_dtype(cfg.plan)
+    compute = setup.policy.compute_dtype
 
     def mfu(flops, seconds):
         return hardware.mfu(flops, seconds, cfg.mesh.device_kind, compute, n_dev,

@@ -1,8 +1,10 @@
 """Everything a run needs, built from a `Config` in the one order that matters.
 
-placement (the plan validated against the devices: mesh and rules) -> precision policy ->
-state layout (ZeRO stage, offload) and shardings -> jitted train / eval steps. `train`, `inspect`,
-`profile` and the tests all start here, so what is inspected is exactly what is trained.
+placement (the plan validated against the devices: mesh and rules) -> the plan's step parts
+(`plan.step_parts`: each strategy's changes to the state and the step, in the written order) ->
+model and optimizer -> state layout and shardings -> jitted train / eval steps. `train`,
+`inspect`, `profile` and the tests all start here, so what is inspected is exactly what is
+trained.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import plan as plan_lib
-from jaxscale.strategies import precision, remat
+from jaxscale.strategies.common import StepParts
+from jaxscale.train import grads as grads_lib
 from jaxscale.train import state as state_lib
 from jaxscale.train import step as step_lib
 
@@ -23,10 +26,10 @@ from jaxscale.train import step as step_lib
 class Setup:
     cfg: Any
     placement: plan_lib.Placement
-    policy: precision.Policy
+    parts: StepParts                              # what the plan's strategies change
     model: state_lib.FunctionalModel
     optimizer: Any
-    schedule: Any
+    learning_rate: Any       # step -> learning rate
     layout: state_lib.StateLayout
     state_shardings: state_lib.TrainState         # where the state lives (memory kinds included)
     device_shardings: state_lib.TrainState        # the same, all in device memory (compute)
@@ -46,13 +49,18 @@ class Setup:
                                             None))
         return lambda params, batch, scale=1.0: jitted(params, batch, jnp.float32(scale))
 
+    @property
+    def policy(self):
+        """The precision policy (dtypes, master weights, loss scaling)."""
+        return self.parts.policy
+
     def init_state(self) -> state_lib.TrainState:
-        return state_lib.init_state(self.model, self.optimizer, self.policy, self.state_shardings,
+        return state_lib.init_state(self.model, self.optimizer, self.parts, self.state_shardings,
                                     self.placement, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:
-        return state_lib.abstract_state(self.model, self.optimizer, self.policy,
-                                        self.state_shardings, self.placement.spec)
+        return state_lib.abstract_state(self.model, self.optimizer, self.parts,
+                                        self.state_shardings)
 
     @property
     def packed(self) -> bool:
@@ -66,7 +74,7 @@ class Setup:
                 for k, sh in self.batch_shardings().items()}
 
     def batch_shardings(self) -> dict:
-        return step_lib.batch_shardings(self.placement, self.packed)
+        return step_lib.batch_shardings(self.placement, self.parts, self.packed)
 
     def lower_train_step(self):
         with jax.set_mesh(self.placement.mesh):
@@ -78,30 +86,30 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     if cfg.plan.check_memory:          # "does not fit" from the planner, before any compile
         from jaxscale import planner
         planner.check_fits(cfg, placement.mesh.devices.size)
-    pol = precision.policy(cfg.plan)
+    parts = plan_lib.step_parts(placement.spec)
     model = state_lib.FunctionalModel(dataclasses.replace(
-        cfg.model, dtype=pol.compute_dtype, param_dtype="float32"))
-    optimizer, schedule = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
-    lay = state_lib.layout(model, placement, pol, cfg.plan)
-    host_sh = state_lib.state_shardings(model, optimizer, placement, lay)
-    dev_sh = state_lib.state_shardings(model, optimizer, placement, lay, on_device=True)
-    wrapper = remat.block_wrapper(cfg.plan.remat)
+        cfg.model, dtype=parts.policy.compute_dtype, param_dtype="float32"))
+    optimizer, learning_rate = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
+    lay = state_lib.layout(model, placement, parts)
+    host_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts)
+    dev_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts, on_device=True)
     teacher = None
     if cfg.train.teacher:              # distillation: the frozen teacher, restored in shards
         from jaxscale.train import distill
-        teacher = distill.load(cfg, placement, pol)
-    train_fn = step_lib.make_train_step(model, optimizer, schedule, placement, pol, lay, dev_sh,
-                                        host_sh, k=cfg.plan.accumulate, block_wrapper=wrapper,
-                                        distill=teacher)
+        teacher = distill.load(cfg, placement, parts.policy)
+    ctx = step_lib.StepContext(model, optimizer, learning_rate, placement, parts.policy, lay,
+                               dev_sh, host_sh, parts)
     packed = bool(cfg.data.shards)
-    train_step = step_lib.jit_train_step(train_fn, host_sh, placement,
+    train_step = step_lib.jit_train_step(step_lib.make_train_step(ctx, teacher), host_sh,
+                                         placement, parts,
                                          donate=cfg.plan.donate if donate is None else donate,
                                          packed=packed,
                                          teacher_sh=teacher.shardings if teacher else None)
     if teacher is not None:
         train_step = teacher.bind(train_step)
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, placement, dev_sh.params),
-                                       host_sh, placement, packed)
-    grads_fn = step_lib.plan_grads_fn(model, placement, cfg.plan.accumulate, wrapper)
-    return Setup(cfg, placement, pol, model, optimizer, schedule, lay, host_sh, dev_sh, train_step,
-                 eval_step, grads_fn, teacher)
+    eval_step = step_lib.jit_eval_step(
+        step_lib.make_eval_step(model, placement, parts, dev_sh.params), host_sh, placement,
+        parts, packed)
+    grads_fn = grads_lib.plan_grads_fn(model, placement, parts)
+    return Setup(cfg, placement, parts, model, optimizer, learning_rate, lay, host_sh, dev_sh,
+                 train_step, eval_step, grads_fn, teacher)

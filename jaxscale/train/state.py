@@ -19,9 +19,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models.llama import Llama, ModelConfig
+from jaxscale.strategies.pp.program import reorder
 
 
-def _is_spec(x) -> bool:
+def is_partition(x) -> bool:
+    """A leaf of a tree of PartitionSpecs (or of logical names held as PartitionSpecs)."""
     return isinstance(x, P)
 
 
@@ -48,10 +50,10 @@ class FunctionalModel:
         return self.module(params)(tokens_BT, positions_BT, segment_ids_BT, block_wrapper)
 
     def param_shardings(self, placement) -> dict:
-        return jax.tree.map(lambda s: placement.sharding(tuple(s)), self.logical, is_leaf=_is_spec)
+        return jax.tree.map(lambda s: placement.sharding(tuple(s)), self.logical, is_leaf=is_partition)
 
     def param_specs(self, placement) -> dict:
-        return jax.tree.map(lambda s: placement.spec_of(tuple(s)), self.logical, is_leaf=_is_spec)
+        return jax.tree.map(lambda s: placement.spec_of(tuple(s)), self.logical, is_leaf=is_partition)
 
 
 @jax.tree_util.register_dataclass
@@ -107,95 +109,94 @@ def _decay_mask(params):
 
 @dataclass
 class StateLayout:
-    """Mesh specs and memory kinds of each part of the train state, from the plan's strategies:
-    ZeRO's specs per part (`zero.state_specs`), offload's memory kinds (`offload.memory_kind`),
-    precision's master weights and loss scale."""
+    """Mesh specs and memory kinds of each part of the train state, from the plan's step parts:
+    ZeRO's specs per part (`parts.state_specs`), offload's memory kinds of the parts it keeps in
+    host memory (`parts.memory_kinds`), the precision policy's master weights and loss scale, and the stored
+    order of the stacked layers (`parts.layer_order`: the pipeline's)."""
     specs: Any              # zero.StateSpecs: params, model, shards (master/optimizer), grads
     master: bool
     loss_scale: bool
-    offload: frozenset
-    zero: int
+    memory_kinds: dict
+    layer_order: list | None = None
 
 
-def layout(model: FunctionalModel, placement, policy, plan_cfg) -> StateLayout:
-    from jaxscale.strategies import offload, zero
+def layout(model: FunctionalModel, placement, parts) -> StateLayout:
     sizes = dict(zip(placement.mesh.axis_names, placement.mesh.devices.shape))
-    specs = zero.state_specs(plan_cfg.zero, model.param_specs(placement), model.abstract_params,
-                             sizes)
-    return StateLayout(specs=specs, master=policy.master,
-                       loss_scale=policy.loss_scale is not None,
-                       offload=offload.parse(plan_cfg.offload), zero=plan_cfg.zero)
+    specs = parts.state_specs(model.param_specs(placement), model.abstract_params, sizes)
+    return StateLayout(specs=specs, master=parts.policy.master,
+                       loss_scale=parts.policy.loss_scale is not None,
+                       memory_kinds=dict(parts.memory_kinds), layer_order=parts.layer_order)
 
 
 def named_shardings(placement, specs, kind=None):
     """A tree of mesh PartitionSpecs -> NamedShardings on the plan's mesh (in memory `kind`)."""
     return jax.tree.map(lambda sp: NamedSharding(placement.mesh, sp, memory_kind=kind), specs,
-                        is_leaf=_is_spec)
+                        is_leaf=is_partition)
 
 
-def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayout,
+def state_optimizer(optimizer, parts):
+    """The optimizer whose state is `TrainState.opt_state` (local SGD: the outer one)."""
+    return parts.state_optimizer(optimizer) if parts.state_optimizer else optimizer
+
+
+def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayout, parts,
                     on_device: bool = False) -> TrainState:
-    """Shardings for the whole train state; optimizer moments follow the tensors they update.
+    """Shardings for the whole train state; optimizer moments follow the tensors they update
+    (the master's shards). A strategy's per-device state (`comm`, [dp, ...]) is split over the
+    data axes, its replicated state (`quant`) is replicated.
 
     `on_device=True` gives the same shardings with every part in device memory (what the step
     computes with after bringing offloaded parts over)."""
-    from jaxscale.strategies.offload import memory_kind
-
     def kind(part):
-        return None if on_device else memory_kind(part, lay.offload)
-    from jaxscale.strategies import compression, local_sgd, qat
-    opt_target = lay.specs.shards if (lay.master or lay.zero) else lay.specs.params
-    state_opt = local_sgd.state_optimizer(placement.spec, optimizer)   # local SGD: the outer one
+        return None if on_device else lay.memory_kinds.get(part)
+    state_opt = state_optimizer(optimizer, parts)
     abstract_opt = jax.eval_shape(state_opt.init, model.abstract_params)
     opt_sh = optax.tree_map_params(state_opt, lambda _, s: s, abstract_opt,
-                                   named_shardings(placement, opt_target, kind("optimizer")),
+                                   named_shardings(placement, lay.specs.shards, kind("optimizer")),
                                    transform_non_params=lambda _: placement.replicated())
     rep = placement.replicated()
-    comm = compression.init_state(placement.spec, model.abstract_params)
-    if comm is None:        # local SGD's replicas and their inner optimizer states, [dp, ...]
-        comm = jax.eval_shape(lambda p: local_sgd.init_state(placement.spec, p, optimizer),
-                              model.abstract_params)
+    extra = jax.eval_shape(lambda p: _strategy_state(parts, p, optimizer), model.abstract_params)
     return TrainState(
         step=rep, params=named_shardings(placement, lay.specs.params, kind("params")),
         opt_state=opt_sh,
         master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None,
-        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), comm),
-        quant=jax.tree.map(lambda _: rep, qat.init_state(placement.spec)))
+        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), extra["comm"]),
+        quant=jax.tree.map(lambda _: rep, extra["quant"]))
 
 
-def _fresh(model, optimizer, policy, key, spec=None) -> TrainState:
-    from jaxscale.strategies import compression, local_sgd, qat
-    from jaxscale.strategies.precision import cast_tree, init_loss_scale
+def _strategy_state(parts, params, optimizer) -> dict:
+    """The strategies' parts of the state (`parts.state`), None where no strategy has one."""
+    unknown = set(parts.state) - {"comm", "quant"}
+    if unknown:
+        raise ValueError(f"a strategy keeps state in TrainState.{sorted(unknown)[0]}, which the "
+                         f"train state has no field for (comm, quant)")
+    return {f: parts.state[f](params, optimizer) if f in parts.state else None
+            for f in ("comm", "quant")}
+
+
+def _fresh(model, optimizer, parts, key) -> TrainState:
+    policy = parts.policy
     master = model.init(key)                     # initialised in fp32
-    params = cast_tree(master, policy.param_dtype) if policy.master else master
-    comm = compression.init_state(spec, master) if spec is not None else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=local_sgd.state_optimizer(spec, optimizer).init(master),
+    return TrainState(step=jnp.zeros((), jnp.int32), params=policy.working(master),
+                      opt_state=state_optimizer(optimizer, parts).init(master),
                       master=master if policy.master else None,
-                      loss_scale=init_loss_scale(policy),
-                      comm=comm if comm is not None else local_sgd.init_state(spec, master,
-                                                                              optimizer),
-                      quant=qat.init_state(spec))
+                      loss_scale=policy.init_loss_scale(),
+                      **_strategy_state(parts, master, optimizer))
 
 
-def abstract_state(model: FunctionalModel, optimizer, policy, shardings: TrainState,
-                   spec=None) -> TrainState:
-    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, policy, jax.random.key(0), spec))
+def abstract_state(model: FunctionalModel, optimizer, parts, shardings: TrainState) -> TrainState:
+    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, parts, jax.random.key(0)))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
 
-def init_state(model: FunctionalModel, optimizer, policy, shardings: TrainState, placement,
+def init_state(model: FunctionalModel, optimizer, parts, shardings: TrainState, placement,
                seed: int) -> TrainState:
     """Create the train state directly in its shards (and memory kinds), its stacked layers in
-    the plan's stored order (`strategies.pp.layer_order`)."""
-    from jaxscale.strategies.pp import layer_order
-    from jaxscale.strategies.pp.engine import reorder
-    order = layer_order(placement.spec)
-
+    the plan's stored order (`parts.layer_order`)."""
     def fresh(k):
-        return reorder(_fresh(model, optimizer, policy, k, placement.spec), None, order)
+        return reorder(_fresh(model, optimizer, parts, k), None, parts.layer_order)
     with jax.set_mesh(placement.mesh):
         return jax.jit(fresh, out_shardings=shardings)(jax.random.key(seed))
 

@@ -1,5 +1,5 @@
-"""Gradient compression over `dp`: the gradient mean computed by `jaxscale.strategies.compression.methods` in
-`jax.shard_map` instead of XLA's fp32 all-reduce.
+"""Gradient compression over `dp`: the gradient mean computed by a compression method (`methods.py`,
+`powersgd.py`) in `jax.shard_map` instead of XLA's fp32 all-reduce.
 
 `plan.compression=bf16|fp8|int8|sign|topk|threshold|powersgd` (with `plan.compression_block`,
 `_density`, `_threshold`, `_rank`). Each device computes the gradients of its own rows of the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from jaxscale.strategies.common import Comm, Term, dp_only
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "compression"
 AVAILABLE = True
@@ -33,7 +34,6 @@ def active(spec) -> bool:
 
 
 def _sizes(spec) -> list[tuple[int, ...]]:
-    from jaxscale.strategies.tables.params import leaves
     return [leaf.shape for leaf in leaves(spec.model)]
 
 
@@ -107,6 +107,16 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step side
+def shape_step(spec, parts) -> None:
+    """The step: the gradient mean over dp computed by the method in shard_map (`wrap`), its
+    error-feedback state per device in `TrainState.comm`."""
+    if not active(spec):
+        return
+    if spec.compression in WITH_STATE:
+        parts.set("state.comm", lambda params, optimizer: init_state(spec, params), by=NAME)
+    parts.set("reduce", wrap, by=NAME)
+
+
 def init_state(spec, abstract_params):
     """The stacked per-device state ([dp, ...] leaves) of the plan's method, or None."""
     if not active(spec) or spec.compression not in WITH_STATE:
@@ -114,12 +124,12 @@ def init_state(spec, abstract_params):
     from jaxscale.strategies.compression import methods
     n = spec.deg("dp")
     return methods.stack(methods.init_state(spec.compression, abstract_params, n,
-                                                    **params(spec)), n)
+                                            **params(spec)), n)
 
 
 def wrap(grads_fn, placement, mean=None):
     """(params, batch, scale, state, *extra) -> (mean gradients, loss, tokens, stats, state):
-    `grads_fn` (`step.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
+    `grads_fn` (`train.grads.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
     parameters, passed on to it, replicated) run on each device's rows inside `jax.shard_map`
     over dp, its token-mean gradients weighted by the device's share of the tokens, then averaged
     by the plan's method, or by `mean(grads, state, local batch) -> (mean, state)` when given
@@ -127,8 +137,8 @@ def wrap(grads_fn, placement, mean=None):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale.strategies.compression import methods
     from jaxscale.axes import suspended
+    from jaxscale.strategies.compression import methods
     spec, mesh = placement.spec, placement.mesh
     n, kw = spec.deg("dp"), params(spec)
 
@@ -141,7 +151,7 @@ def wrap(grads_fn, placement, mean=None):
         weighted = jax.tree.map(lambda g: g * weight, grads)
         if mean is None:
             avg, local = methods.compressed_mean(spec.compression, weighted, local, ("dp",),
-                                                     **kw)
+                                                 **kw)
         else:
             avg, local = mean(weighted, local, batch)
         loss = jax.lax.psum(loss * ntok, "dp") / jax.numpy.where(total > 0, total, 1.0)

@@ -299,6 +299,7 @@ def compressed_mean(method: str, grads, state, axes, **params):
     params: block, pad (casts, sign); k, value_dtype, error_feedback (topk); threshold, k
     (threshold); rank (powersgd)."""
     _check_method(method)
+    axes = check_axes(axes)
     if method == "fp32":
         return allreduce_mean(grads, axes), state
     if method in CAST:

@@ -79,9 +79,8 @@ def _split(flat, sizes):
 def powersgd_mean(grads, state: State, axes, rank: int):
     """Rank-`rank` mean of `grads` over `axes` with error feedback; returns (mean, new State).
     The new Q and the mean are identical on every device; the residual is per device."""
-    from jaxscale.strategies.compression.methods import axis_size, check_axes
-    axes = check_axes(axes)
-    n_dev = axis_size(axes)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    n_dev = int(jax.lax.axis_size(axes))
     g_leaves, treedef = jax.tree.flatten(grads)
     q_leaves, e_leaves = treedef.flatten_up_to(state.q), treedef.flatten_up_to(state.residual)
     _check_rank([g.shape for g in g_leaves], rank, "gradient")

@@ -136,20 +136,26 @@ def branch_share(spec) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- the step side
-def state_optimizer(spec, optimizer):
-    """The optimizer whose state is `TrainState.opt_state`: the outer one under local SGD (the
-    inner optimizer's state is per replica, in `TrainState.comm`), else `optimizer`."""
-    if spec is None or not active(spec):
-        return optimizer
+def shape_step(spec, parts) -> None:
+    """The step: this strategy's own (`make_train_step`), the replicas and their inner optimizer
+    states per device in `TrainState.comm`, the outer optimizer's state in `opt_state`."""
+    if not active(spec):
+        return
+    parts.set("train_step", lambda ctx: make_train_step(spec, ctx), by=NAME)
+    parts.set("state.comm", lambda params, optimizer: init_state(spec, params, optimizer),
+              by=NAME)
+    parts.set("state_optimizer", lambda optimizer: outer_optimizer(spec), by=NAME)
+
+
+def outer_optimizer(spec):
+    """The outer optimizer of the plan's method (its state is `TrainState.opt_state`)."""
     from jaxscale.strategies.local_sgd import averaging
     return averaging.outer_optimizer(*hparams(spec))
 
 
 def init_state(spec, params, optimizer):
     """{"params": replicas, "opt_state": their inner optimizer states}, [dp, ...] leaves (each
-    replica a copy of `params` in fp32), or None without local SGD."""
-    if spec is None or not active(spec):
-        return None
+    replica a copy of `params` in fp32)."""
     import jax
     import jax.numpy as jnp
 
@@ -159,38 +165,37 @@ def init_state(spec, params, optimizer):
     return averaging.stack(rep, spec.deg("dp"))
 
 
-def make_train_step(model, optimizer, schedule, placement, policy, k: int = 1,
-                    block_wrapper=None):
-    """The train step of a local-SGD plan (`step.make_train_step`'s contract): (state, batch) ->
-    (state, metrics), all of it in one `jax.shard_map` over dp (see the module docstring)."""
+def make_train_step(spec, ctx):
+    """The train step of a local-SGD plan: (state, batch) -> (state, metrics), all of it in one
+    `jax.shard_map` over dp (see the module docstring). `ctx` is the step's context
+    (`jaxscale.train.step.StepContext`): its optimizer (the inner one), learning rate, placement,
+    precision policy, grads function (with statistics, `stat_names`)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale.strategies.local_sgd import averaging
     from jaxscale.axes import suspended, use_rules
-    from jaxscale.strategies.precision import cast_tree, keep_if_finite, update_loss_scale
-    from jaxscale.train.state import TrainState
-    from jaxscale.train.step import MOE_METRICS, plan_grads_fn
-    spec, mesh = placement.spec, placement.mesh
-    moe = MOE_METRICS if model.cfg.moe_experts > 0 else ()
+    from jaxscale.strategies.common import keep_if_finite
+    from jaxscale.strategies.local_sgd import averaging
+    placement, policy, optimizer = ctx.placement, ctx.policy, ctx.optimizer
+    mesh, grads_fn, stat_names = placement.mesh, ctx.grads_fn, ctx.stat_names
     n, H, warmup = spec.deg("dp"), spec.local_steps, spec.local_warmup
-    outer = averaging.outer_optimizer(*hparams(spec))
-    grads_fn = plan_grads_fn(model, placement, k, block_wrapper, with_stats=True)
+    outer = outer_optimizer(spec)
 
     def body(step, anchor, outer_state, comm, batch, scale):
         """One device: its replica's inner step, then (every H-th step) the average; in
         post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`)."""
         rep, opt = jax.tree.map(lambda a: a[0], (comm["params"], comm["opt_state"]))
         with suspended():
-            work = cast_tree(rep, policy.param_dtype) if policy.master else rep
-            grads, loss, ntok, stats = grads_fn(work, batch, scale)
+            grads, loss, ntok, stats = grads_fn(policy.working(rep), batch, scale)
         norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         # the metrics, for logging and loss scaling: no local update waits for them
         sums = jax.lax.psum(jnp.stack([loss * ntok, ntok, norm, (~finite).astype(jnp.float32)]
-                                      + [stats[s] for s in moe]), "dp")
+                                      + [stats[s] for s in stat_names]), "dp")
 
         def update(grads, norm, finite, rep, opt):
             updates, new_opt = optimizer.update(grads, opt, rep, grad_norm=norm)
@@ -225,13 +230,15 @@ def make_train_step(model, optimizer, schedule, placement, policy, k: int = 1,
         comm = jax.tree.map(lambda a: a[None], {"params": rep, "opt_state": opt})
         return anchor, outer_state, comm, sums
 
-    def train_step(state: TrainState, batch):
+    def train_step(state, batch):
         with use_rules(mesh, placement.rules):
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             anchor = state.master if policy.master else state.params
             rows = jax.tree.map(lambda _: P("dp"), batch)
             rep_specs = jax.tree.map(lambda _: P("dp"), state.comm)
-            same = lambda t: jax.tree.map(lambda _: P(), t)
+
+            def same(tree):
+                return jax.tree.map(lambda _: P(), tree)
             anchor, outer_state, comm, sums = jax.shard_map(
                 body, mesh=mesh, check_vma=False,
                 in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P()),
@@ -240,16 +247,14 @@ def make_train_step(model, optimizer, schedule, placement, policy, k: int = 1,
                 jnp.asarray(scale, jnp.float32))
         tokens = sums[1]
         finite = sums[3] == 0
-        new_state = TrainState(
-            step=state.step + 1,
-            params=cast_tree(anchor, policy.param_dtype) if policy.master else anchor,
-            opt_state=outer_state, master=anchor if policy.master else None,
-            loss_scale=update_loss_scale(state.loss_scale, finite, policy.growth_interval),
-            comm=comm)
+        new_state = dataclasses.replace(
+            state, step=state.step + 1, params=policy.working(anchor), opt_state=outer_state,
+            master=anchor if policy.master else None,
+            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm)
         metrics = {"loss": sums[0] / jnp.where(tokens > 0, tokens, 1.0), "grad_norm": sums[2] / n,
-                   "lr": schedule(state.step), "tokens": tokens,
+                   "lr": ctx.learning_rate(state.step), "tokens": tokens,
                    "skipped": (~finite).astype(jnp.int32)}
-        metrics.update({s: sums[METRICS + i] / n for i, s in enumerate(moe)})
+        metrics.update({s: sums[METRICS + i] / n for i, s in enumerate(stat_names)})
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
         return new_state, metrics

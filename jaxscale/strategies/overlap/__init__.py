@@ -34,16 +34,15 @@ scheduler option (`xla_cpu_enable_concurrency_optimized_scheduler`).
 """
 from __future__ import annotations
 
-from jaxscale.hooks.projection import plain, register
+from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm
+from jaxscale.strategies.remat import actions, parse
+from jaxscale.strategies.tables.activations import stream_bytes
+from jaxscale.strategies.tp import COLUMN, ROW
 
 NAME = "overlap"
 AVAILABLE = True
 MODES = ("none", "collective_matmul", "collective_matmul_bidirectional")
-#: the column-parallel sites (gather the residual stream, split the output features) and the
-#: row-parallel ones (contract split features, scatter back to the residual stream)
-COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
-ROW = ("wo", "w_down")
 #: distinct inputs the column-parallel sites gather: the attention norm's and the MLP norm's
 INPUT_RINGS = 2
 
@@ -133,7 +132,7 @@ def problems(spec) -> list[str]:
 
 def rules(spec, rules) -> None:
     if active(spec):
-        rules.set_projection(spec.tp_overlap, by=f"plan.tp_overlap={spec.tp_overlap}")
+        rules.set_seam("projection", spec.tp_overlap, by=f"plan.tp_overlap={spec.tp_overlap}")
 
 
 def rings_per_layer(spec) -> tuple[int, int]:
@@ -141,7 +140,6 @@ def rings_per_layer(spec) -> tuple[int, int]:
     forward, one per gathered input and one per row-parallel matmul; backward, the input rings
     again for the weight gradients and one per matmul for its input gradient, plus the o ring
     a rematerialised block replays unless it keeps `o_proj`."""
-    from jaxscale.strategies.remat import actions, parse
     bwd = INPUT_RINGS + len(COLUMN) + len(ROW)
     if parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat":
         bwd += 1
@@ -151,9 +149,8 @@ def rings_per_layer(spec) -> tuple[int, int]:
 def collectives(spec) -> list[Comm]:
     if not active(spec) or spec.deg("tp") == 1 or not spec.sequence_parallel:
         return []
-    from jaxscale.strategies.tp import _activation_bytes
     t, L, k = spec.deg("tp"), spec.stage_layers, max(1, spec.accumulate)
-    chunk = _activation_bytes(spec) / t
+    chunk = stream_bytes(spec) / t
     fwd, bwd = rings_per_layer(spec)
     n = (fwd + bwd) * (t - 1) * L * k
     return [Comm("collective-permute", ("tp",), n * chunk, n,
@@ -176,68 +173,19 @@ def label(spec) -> list[str]:
     return out + ([f"xla-{spec.xla_preset}"] if spec.xla_preset != "default" else [])
 
 
-# ----------------------------------------------------------------------------- the JAX side
-def _seq_dim(names, logical: str, spec, site: str, what: str) -> int:
-    """The dimension of `logical` in an operand, which must end in tp (and only there)."""
-    if logical not in names:
-        raise ValueError(f"collective matmul at {site}: its {what} has no {logical!r} axis "
-                         f"(logical axes {names})")
-    d = names.index(logical)
-    axes = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
-    if axes[-1:] != ("tp",):
-        raise ValueError(f"collective matmul at {site}: its {what} {names} is sharded {spec}, "
-                         f"not over tp on {logical!r}: set plan.sequence_parallel=true")
-    return d
+def shape_step(spec, parts) -> None:
+    """The step: the XLA compiler options of `plan.xla_preset` (the collective matmuls run
+    through the model's projection seam, named in `rules`)."""
+    parts.compiler_options.update(compiler_options(spec.xla_preset))
 
 
-def _project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
-    """`project` for the block's column- and row-parallel sites as collective matmuls in a
-    `shard_map` over the whole mesh; the other sites (the LM head) as GSPMD's einsum."""
-    if site not in COLUMN + ROW:
-        return plain(eq, x, w, **kw)
-    import jax
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxscale.strategies.overlap import collective_matmul as cm
-    from jaxscale.axes import suspended
-
-    xn, wn, on = names
-    x_spec, w_spec, o_spec = (tuple(rules.spec(n)) for n in names)
-    if site in COLUMN:
-        x_seq = _seq_dim(xn, "norm_seq", x_spec, site, "input")
-        out_seq = on.index("seq")
-    else:
-        out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
-        x_seq = xn.index("seq")
-    if any(ax not in (None, "tp") for ax in w_spec):
-        raise ValueError(f"collective matmul at {site}: the weight {wn} is sharded {w_spec}; "
-                         f"only tp may split it (plan.tp_overlap refuses mesh.fsdp > 1)")
-    fn = cm.allgather_matmul if site in COLUMN else cm.matmul_reduce_scatter
-
-    # the weight is the same on every data-parallel device: mark it varying there once, so its
-    # gradient is summed over those axes once (not once per partial matmul of the ring)
-    spread = tuple(a for a in mesh.axis_names if a != "tp" and any(
-        a == ax or (isinstance(ax, tuple) and a in ax) for ax in x_spec))
-
-    def body(x_local, w_local):
-        if spread:
-            w_local = lax.pcast(w_local, spread, to="varying")
-        with suspended():       # per-device shards: no global sharding rules inside
-            return fn(eq, x_local, w_local, "tp", x_seq=x_seq, out_seq=out_seq,
-                      bidirectional=bidirectional, **kw)
-
-    # nothing inside is kept for the backward: it re-runs the input's ring for the weight
-    # gradient (as GSPMD re-gathers it), so the chunks, and the weight marked varying, are
-    # never stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical
-    # and XLA keeps one of each, forward and replayed
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
-                          prevent_cse=False)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(*w_spec)),
-                        out_specs=P(*o_spec))
-    return run(x, w.astype(x.dtype))
+@register("projection", "collective_matmul")
+def _collective_matmul(*args, **kw):
+    from jaxscale.strategies.overlap.collective_matmul import project
+    return project(*args, **kw)
 
 
-register("collective_matmul")(_project)
-register("collective_matmul_bidirectional")(
-    lambda *a, **kw: _project(*a, bidirectional=True, **kw))
+@register("projection", "collective_matmul_bidirectional")
+def _collective_matmul_bidirectional(*args, **kw):
+    from jaxscale.strategies.overlap.collective_matmul import project
+    return project(*args, bidirectional=True, **kw)

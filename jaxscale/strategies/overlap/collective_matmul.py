@@ -17,6 +17,9 @@ the result; `axis` names the mesh axis of the ring (t devices, t = its size).
   that chunk to the accumulator it received, then passes it on; the chunk's owner adds its own
   last.
 
+`project` is the model's projection seam under `plan.tp_overlap`: the block's column- and
+row-parallel matmuls as these rings inside a `jax.shard_map` over the whole mesh.
+
 Collectives: t-1 `collective-permute`s of one chunk (1/t of the gathered or scattered array)
 per call, the same bytes a ring all-gather / reduce-scatter puts on each link, in t-1 steps
 the scheduler can interleave with the t partial matmuls. `bidirectional=True` sends half the
@@ -27,8 +30,14 @@ each permute is the reverse permute, so gradients are collective matmuls too).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.axes import suspended
+from jaxscale.hooks.projection import plain
+from jaxscale.strategies.tp import COLUMN, ROW
 
 
 def ring_split(t: int, bidirectional: bool) -> tuple[int, int]:
@@ -133,3 +142,57 @@ def reference_matmul_reduce_scatter(eq: str, x, w, axis: str, *, out_seq: int = 
     return lax.psum_scatter(jnp.einsum(eq, x, w, **einsum_kw), axis,
                             scatter_dimension=out_seq, tiled=True)
 
+
+# ----------------------------------------------------------------------------- the projection
+def _seq_dim(names, logical: str, spec, site: str, what: str) -> int:
+    """The dimension of `logical` in an operand, which must end in tp (and only there)."""
+    if logical not in names:
+        raise ValueError(f"collective matmul at {site}: its {what} has no {logical!r} axis "
+                         f"(logical axes {names})")
+    d = names.index(logical)
+    axes = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
+    if axes[-1:] != ("tp",):
+        raise ValueError(f"collective matmul at {site}: its {what} {names} is sharded {spec}, "
+                         f"not over tp on {logical!r}: set plan.sequence_parallel=true")
+    return d
+
+
+def project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
+    """`project` for the block's column- and row-parallel sites as collective matmuls in a
+    `shard_map` over the whole mesh; the other sites (the LM head) as GSPMD's einsum."""
+    if site not in COLUMN + ROW:
+        return plain(eq, x, w, **kw)
+    xn, wn, on = names
+    x_spec, w_spec, o_spec = (tuple(rules.spec(n)) for n in names)
+    if site in COLUMN:
+        x_seq = _seq_dim(xn, "norm_seq", x_spec, site, "input")
+        out_seq = on.index("seq")
+    else:
+        out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
+        x_seq = xn.index("seq")
+    if any(ax not in (None, "tp") for ax in w_spec):
+        raise ValueError(f"collective matmul at {site}: the weight {wn} is sharded {w_spec}; "
+                         f"only tp may split it (plan.tp_overlap refuses mesh.fsdp > 1)")
+    fn = allgather_matmul if site in COLUMN else matmul_reduce_scatter
+
+    # the weight is the same on every data-parallel device: mark it varying there once, so its
+    # gradient is summed over those axes once (not once per partial matmul of the ring)
+    spread = tuple(a for a in mesh.axis_names if a != "tp" and any(
+        a == ax or (isinstance(ax, tuple) and a in ax) for ax in x_spec))
+
+    def body(x_local, w_local):
+        if spread:
+            w_local = lax.pcast(w_local, spread, to="varying")
+        with suspended():       # per-device shards: no global sharding rules inside
+            return fn(eq, x_local, w_local, "tp", x_seq=x_seq, out_seq=out_seq,
+                      bidirectional=bidirectional, **kw)
+
+    # nothing inside is kept for the backward: it re-runs the input's ring for the weight
+    # gradient (as GSPMD re-gathers it), so the chunks, and the weight marked varying, are
+    # never stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical
+    # and XLA keeps one of each, forward and replayed
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(*w_spec)),
+                        out_specs=P(*o_spec))
+    return run(x, w.astype(x.dtype))

@@ -4,7 +4,7 @@ Rules: `layers -> pp`. The batch is split into m micro-batches (`plan.accumulate
 the stages by a schedule (`plan.schedule`, `jaxscale.strategies.pp.schedules`): naive (one micro-batch
 at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v virtual
 stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
-weight-gradient work, arXiv 2401.10241); the engine that runs it is `jaxscale.strategies.pp.engine`.
+weight-gradient work, arXiv 2401.10241); the tick table it runs as is `program.py`, the engine that runs it `engine.py`.
 Saves: weights, gradients and optimizer state split p ways. Costs: the bubble, idle time
 relative to the ideal compute, (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a
 third of 1F1B's for ZB-H1 (T_F = T_B = T_W; in this engine W repeats the in-stage backward
@@ -15,24 +15,23 @@ one fp32 all-reduce over `pp` of the embedding, final norm and head gradients.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.pp.schedules import NAMES
+from jaxscale.strategies import remat
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.pp import schedules as ps
+from jaxscale.strategies.pp.program import layer_order, program_for, virtual
+from jaxscale.strategies.tables.activations import stream_bytes
+from jaxscale.strategies.tables.params import leaves
 
 NAME = "pp"
 AVAILABLE = True
-SCHEDULES = NAMES
-
-
-def virtual(spec) -> int:
-    return spec.virtual_stages if spec.schedule == "interleaved" else 1
+SCHEDULES = ps.NAMES
 
 
 def in_flight(spec) -> float:
     """Micro-batches whose activations (residuals) a device holds at its peak, in units of its
-    whole share of the layers: the engine's residual slots (`train.pipeline.Program`) over v."""
+    whole share of the layers: the engine's residual slots (`program.Program`) over v."""
     if spec.deg("pp") == 1:
         return 1.0
-    from jaxscale.strategies.pp.engine import program_for
     return program_for(spec).slots["res"] / virtual(spec)
 
 
@@ -41,20 +40,8 @@ def bubble_fraction(spec) -> float:
     p, m = spec.deg("pp"), max(1, spec.accumulate)
     if p == 1:
         return 0.0
-    from jaxscale.strategies.pp.schedules import formula_bubble
-    b = formula_bubble(spec.schedule, p, m, virtual(spec), validate=False)
+    b = ps.formula_bubble(spec.schedule, p, m, virtual(spec), validate=False)
     return b / (1 - b)        # idle / makespan -> idle / compute: (p - 1) / m for 1F1B
-
-
-def layer_order(spec) -> list[int] | None:
-    """Stored row -> model layer of the stacked layers under this plan; None for the model's
-    own order. Interleaving (v > 1) stores device d's chunks c = 0..v-1 (stages c p + d) in its
-    contiguous share of rows, so the layers axis can stay a plain split over pp."""
-    p, v = spec.deg("pp"), virtual(spec)
-    if p == 1 or v == 1:
-        return None
-    per = spec.model.n_layers // (p * v)
-    return [(c * p + d) * per + i for d in range(p) for c in range(v) for i in range(per)]
 
 
 def active(spec) -> bool:
@@ -66,7 +53,6 @@ def problems(spec) -> list[str]:
     p, errs = spec.deg("pp"), []
     if p == 1:
         return errs
-    from jaxscale.strategies.pp import schedules as ps
     try:
         ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages)
     except ValueError as e:
@@ -79,12 +65,11 @@ def problems(spec) -> list[str]:
 
 
 def runnable(spec) -> list[str]:
-    """What the engine (`train.pipeline`) cannot run yet, though the planner models it (uneven
+    """What the engine (`engine.py`) cannot run yet, though the planner models it (uneven
     stages hold ceil(L / p) layers there, as published layouts such as Llama 3 405B's do)."""
     p, errs = spec.deg("pp"), []
     if p == 1:
         return errs
-    from jaxscale.strategies.pp import schedules as ps
     try:
         ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages,
                  spec.model.n_layers)
@@ -109,17 +94,15 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
-    """Per tick of the engine's loop (`train.pipeline`), one activation forward and one gradient
+    """Per tick of the engine's loop (`engine.py`), one activation forward and one gradient
     backward (sent in every tick, zeros when a device has nothing to send); at the end, the
     gradients of the weights outside the layers (embedding, final norm, head: replicated over pp,
     each used on one stage) summed over pp in fp32."""
     p = spec.deg("pp")
     if p == 1:
         return []
-    from jaxscale.strategies.tables.params import leaves
-    from jaxscale.strategies.pp.engine import program_for
     prog = program_for(spec)
-    act = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    act = stream_bytes(spec)
     outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
     return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
                  f"stage boundary, {prog.ticks} ticks: activations forward, their gradients "
@@ -131,8 +114,7 @@ def collectives(spec) -> list[Comm]:
 
 def branch_share(spec) -> list[float]:
     """A device runs one pipeline op per tick, not all of them: the share of (tick, device) slots
-    each branch of the engine's switch takes (`pipeline.Program.branch_share`)."""
-    from jaxscale.strategies.pp.engine import program_for
+    each branch of the engine's switch takes (`program.Program.branch_share`)."""
     return program_for(spec).branch_share()
 
 
@@ -154,11 +136,9 @@ def memory(spec) -> list[Term]:
     received, gradients received or to send), one [micro-batch, seq, dim] each."""
     if spec.deg("pp") == 1:
         return []
-    from jaxscale.strategies.tables.activations import of_spec
-    from jaxscale.strategies.pp.engine import program_for
-    slots, v, la = program_for(spec).slots, virtual(spec), of_spec(spec)
+    slots, v, la = program_for(spec).slots, virtual(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
-    stream = spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    stream = stream_bytes(spec)
     out = [Term("activations", la.saved * spec.stage_layers * extra,
                 f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
                 f"and of the one being stored"),
@@ -171,3 +151,16 @@ def label(spec) -> list[str]:
     if not active(spec):
         return []
     return [spec.schedule + (f"/v{spec.virtual_stages}" if spec.schedule == "interleaved" else "")]
+
+
+def shape_step(spec, parts) -> None:
+    """The step: the gradients computed by the schedule over the stages (`engine.make_grads_fn`),
+    the stacked layers stored in the schedule's order (`program.layer_order`)."""
+    if active(spec):
+        parts.set("grads", _engine, by=NAME)
+        parts.set("layer_order", layer_order(spec), by=NAME)
+
+
+def _engine(model, placement, block_wrapper=None, forward_only: bool = False):
+    from jaxscale.strategies.pp.engine import make_grads_fn
+    return make_grads_fn(model, placement, block_wrapper, forward_only)

@@ -5,17 +5,16 @@
 wk, wv, wo, w_gate, w_up, w_down; a mixture of experts' expert matrices too), each stacked
 index (layer, expert) its own matrix. Not pruned: the embedding table (a lookup), the LM head
 (vocabulary logits; sparse matmul units would not pay there and it is not a block weight), the
-RMSNorm scales and a MoE router (`planner.params.leaves`: the `dot` leaves under `layers/`).
+RMSNorm scales and a MoE router (`tables.params.leaves`: the `dot` leaves under `layers/`).
 
-The hook (`jaxscale.train.step`): after the optimizer update, the new weights (the fp32 master
+The step (`shape_step`, its `after_update` part): after the optimizer update, the new weights (the fp32 master
 when there is one, then the 16-bit working copy is cast from the pruned master) are multiplied by
 a mask recomputed from those weights, so that after every step the sparsity holds exactly:
 - magnitude: the k = round(s(t) x size) smallest |w| of each matrix are zeroed (ties broken by
-  position, `quantize._keep_largest`), s(t) the cubic ramp of Zhu & Gupta (`quantize.
-  sparsity_schedule`) from 0 at update `prune_start` to s at update `prune_end` (t counts the
+  position, `masks.py`), s(t) the cubic ramp of Zhu & Gupta (`masks.sparsity_ramp`) from 0 at update `prune_start` to s at update `prune_end` (t counts the
   updates done, the new `state.step`; `prune_end=0`: s from `prune_start` on);
 - N:M: in every M consecutive weights along the innermost contracted axis (the input features:
-  `quantize.contracted_axes`) the M - N smallest |w| are zeroed (from update `prune_start` on).
+  `tables.params.contracted_axes`) the M - N smallest |w| are zeroed (from update `prune_start` on).
 The mask is recomputed every step from the weights themselves and is not stored: a weight zeroed
 last step that the optimizer moves past a kept one comes back (gradual magnitude pruning with
 regrowth), the train state and its checkpoints are unchanged and a resumed run prunes exactly as
@@ -37,7 +36,10 @@ from __future__ import annotations
 import math
 import re
 
+from jaxscale.axes import MESH_AXES
+from jaxscale.strategies import zero
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.tables.params import STACKED, contracted_axes, is_lookup, leaves
 
 NAME = "prune"
 AVAILABLE = True
@@ -62,12 +64,10 @@ def active(spec) -> bool:
 
 def pruned_leaves(model) -> list:
     """The planner's leaves that are pruned: the matmul (`dot`) weights under `layers/`."""
-    from jaxscale.strategies.tables.params import leaves
     return [leaf for leaf in leaves(model) if leaf.use == "dot" and leaf.path.startswith("layers/")]
 
 
 def _group_axis(axes) -> int:
-    from jaxscale.strategies.qat.ptq import contracted_axes
     return contracted_axes(tuple(axes))[-1]
 
 
@@ -118,7 +118,6 @@ def rules(spec, rules) -> None:
 def target_spec(spec, leaf):
     """The mesh PartitionSpec of what is pruned for this leaf: the fp32 master (ZeRO-1+: also
     split over dp) with mixed precision, else the working parameters (ZeRO-3: split over dp)."""
-    from jaxscale.strategies import zero
     model = spec.rules.spec(leaf.axes)
     z = zero.stage(spec)
     if (spec.mixed and z >= 1) or z >= 3:
@@ -132,7 +131,6 @@ def collectives(spec) -> list[Comm]:
     N:M (shard-local groups) and unsplit matrices add nothing."""
     if not active(spec) or parse(spec.prune)[0] != "magnitude":
         return []
-    from jaxscale.strategies.qat.ptq import STACKED
     item = 4 if spec.mixed else spec.wire_param_itemsize
     out: dict[tuple, list] = {}
     for leaf in pruned_leaves(spec.model):
@@ -166,9 +164,17 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step side
+def shape_step(spec, parts) -> None:
+    """The step: the updated weights masked for the updates done (`pruner`), on the shards of
+    what the update targets (the fp32 master where there is one)."""
+    if active(spec):
+        parts.set("after_update", lambda ctx: pruner(
+            spec, ctx.model.logical, ctx.placement.mesh,
+            ctx.lay.specs.shards if ctx.lay.master else ctx.lay.specs.params), by=NAME)
+
+
 def is_pruned(path, names) -> bool:
     """A parameter (its key path, its logical names) that pruning masks."""
-    from jaxscale.strategies.qat.ptq import contracted_axes, is_lookup
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
     return (keys[:1] == ["layers"] and "router" not in keys
             and contracted_axes(tuple(names)) is not None and not is_lookup(tuple(names)))
@@ -178,15 +184,15 @@ def target_sparsity(spec, step):
     """s(t) for magnitude pruning after `step` updates (traced), 0 before `prune_start`."""
     import jax.numpy as jnp
 
-    from jaxscale.strategies.qat.ptq import sparsity_schedule
+    from jaxscale.strategies.prune.masks import sparsity_ramp
     if spec.prune_end > spec.prune_start:
-        return sparsity_schedule(step, spec.prune_start, spec.prune_end, spec.prune_sparsity)
+        return sparsity_ramp(step, spec.prune_start, spec.prune_end, spec.prune_sparsity)
     return jnp.where(jnp.asarray(step) >= spec.prune_start, spec.prune_sparsity, 0.0)
 
 
 def mask(w, names, kind, sparsity=None):
     """The keep-mask of one weight: magnitude at (traced) `sparsity`, or N:M."""
-    from jaxscale.strategies.qat.ptq import magnitude_mask, nm_mask
+    from jaxscale.strategies.prune.masks import magnitude_mask, nm_mask
     if kind[0] == "magnitude":
         return magnitude_mask(w, names, sparsity)
     _, n, m = kind
@@ -199,8 +205,6 @@ def _entry_axes(e) -> tuple[str, ...]:
 
 def _own_split(names, entries, sizes) -> tuple[str, ...]:
     """Mesh axes (size > 1, mesh order) splitting a weight's own, non-stacked dimensions."""
-    from jaxscale.axes import MESH_AXES
-    from jaxscale.strategies.qat.ptq import STACKED
     used = {a for n, e in zip(names, entries) if n not in STACKED for a in _entry_axes(e)}
     return tuple(a for a in MESH_AXES if a in used and sizes.get(a, 1) > 1)
 

@@ -1,7 +1,7 @@
 """Quantisation-aware training: the block's weight matmuls run on 8-bit operands.
 
 `plan.qat=none|int8|fp8` (`plan.fp8_amax_history=16`: delayed scaling over that many steps; 0:
-current, just-in-time scaling). The strategy sets `Rules.projection` to its implementation, which
+current, just-in-time scaling). The strategy sets the rules' `projection` seam to its implementation, which
 `jaxscale.hooks.projection.project` calls for wq, wk, wv, wo, w_gate, w_up and w_down of every layer;
 the LM head stays in the compute dtype with fp32 logits (as in the published fp8 recipes). The
 numerics are `jaxscale.strategies.qat.numerics`:
@@ -43,13 +43,14 @@ model inside `jax.shard_map`, where the plan's projection is off), nor with mixt
 """
 from __future__ import annotations
 
-from jaxscale.hooks.projection import plain, register
+from jaxscale.hooks import register
+from jaxscale.hooks.projection import plain
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "qat"
 AVAILABLE = True
 METHODS = ("int8", "fp8")
-#: the `Rules.projection` implementation of each method
+#: the the rules' `projection` seam implementation of each method
 IMPLEMENTATION = {"int8": "qat_int8", "fp8": "qat_fp8"}
 #: slots per layer of the fp8 state (`jaxscale.strategies.qat.numerics.SLOTS`: 4 inputs, 7 weights, 7 gradients)
 N_SLOTS = 18
@@ -91,14 +92,14 @@ def problems(spec) -> list[str]:
                     f"dense model or plan.qat=none")
     if spec.tp_overlap != "none":    # the other strategy that replaces the weight matmuls
         errs.append(f"{q} and plan.tp_overlap={spec.tp_overlap} both replace the model's "
-                    f"weight matmuls (Rules.projection): choose one")
+                    f"weight matmuls (the rules' projection seam): choose one")
     return errs
 
 
 def rules(spec, rules) -> None:
     """No sharding rule: the projection implementation."""
     if active(spec):
-        rules.set_projection(IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
+        rules.set_seam("projection", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
 
 
 def collectives(spec) -> list[Comm]:
@@ -147,15 +148,29 @@ def label(spec) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the step side
+def shape_step(spec, parts) -> None:
+    """The step, for fp8 with delayed scaling: the amax histories in `TrainState.quant`, and a
+    probe that gives each layer's matmuls their scales and reads back the amaxes they saw."""
+    if not delayed(spec):
+        return
+    import jax.numpy as jnp
+
+    from jaxscale.strategies.common import Probe
+    from jaxscale.strategies.qat import numerics
+    parts.set("state.quant", lambda params, optimizer: init_state(spec), by=NAME)
+    parts.set("probe", Probe("quant", read=numerics.scales, wrap=numerics.probing,
+                             combine=jnp.maximum, write=numerics.update_history), by=NAME)
+
+
 def init_state(spec):
     """fp8 delayed scaling's {"amax_history": [layers, slots, history]} (zeros), else None."""
-    if spec is None or not delayed(spec):
+    if not delayed(spec):
         return None
     from jaxscale.strategies.qat import numerics
     return numerics.init_history(spec.model.n_layers, spec.fp8_amax_history)
 
 
-@register(IMPLEMENTATION["int8"])
+@register("projection", IMPLEMENTATION["int8"])
 def _int8(eq, x, w, site, names, mesh, rules, **kw):
     if site not in QUANTISED_SITES:
         return plain(eq, x, w, **kw)
@@ -163,12 +178,12 @@ def _int8(eq, x, w, site, names, mesh, rules, **kw):
     return numerics.int8_matmul(eq, x, w)
 
 
-@register(IMPLEMENTATION["fp8"])
+@register("projection", IMPLEMENTATION["fp8"])
 def _fp8(eq, x, w, site, names, mesh, rules, **kw):
     if site not in QUANTISED_SITES:
         return plain(eq, x, w, **kw)
-    from jaxscale.strategies.qat import numerics
     from jaxscale.hooks.projection import layer_cache, layer_input
+    from jaxscale.strategies.qat import numerics
     layer = layer_input()          # this layer's [slots] divisors (delayed scaling), or None
     scales = None if layer is None else numerics.site_scales(layer, site)
     cache, group = layer_cache(), numerics.INPUT[site]

@@ -46,8 +46,6 @@ SLOTS = (tuple(f"x:{g}" for g in dict.fromkeys(INPUT.values())) + tuple(f"w:{s}"
 #: the largest finite value of each role's format: x and w in e4m3, gradients in e5m2
 FP8_MAX = {"x": float(jnp.finfo(E4M3).max), "w": float(jnp.finfo(E4M3).max),
            "g": float(jnp.finfo(E5M2).max)}
-#: key of the step statistics that carries the amaxes out of `make_grads_fn`
-AMAX = "qat_amax"
 
 
 def slots_of(site: str) -> tuple[int, int, int]:

@@ -3,8 +3,10 @@
 Rules: `norm_seq` (the residual stream's sequence, between the attention and MLP regions) over
 tp with `plan.sequence_parallel`, over sp (then tp) with `mesh.sp > 1`; `seq` (the attention and
 MLP regions) over sp. The attention of a sequence split over sp runs in `kernels/context.py`,
-the method named by `plan.context` (carried to it on the rules, `Rules.context`); the ring's
-zig-zag layout is applied to the batch inside the step (`layout`).
+the method named by `plan.context`: this module registers ring, Ulysses and all-gather attention
+(`context.py`) for the model's `context` seam (`jaxscale.hooks`) and names the plan's in its rules.
+The ring's zig-zag layout is applied to the batch inside the step (`batch_layout`, the step's
+`batch_view`).
 
 Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
 stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp
@@ -24,6 +26,7 @@ The weight gradients are reduced over sp as over a data axis (`dp.py`).
 """
 from __future__ import annotations
 
+from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "sp"
@@ -63,7 +66,7 @@ def rules(spec, rules) -> None:
         rules.add("norm_seq", norm, by="sp")
     if sp:
         rules.add("seq", "sp", by="sp")
-        rules.context = spec.context
+        rules.set_seam("context", spec.context, by=NAME)
 
 
 def batch_layout(spec):
@@ -71,11 +74,11 @@ def batch_layout(spec):
     permuted into the zig-zag layout (shard r holds chunks r and 2sp-1-r of 2sp: equal causal
     work), plus `positions`, the true position of each token (RoPE). Permuting the batch before
     it is split over sp moves no data: the step receives it whole along the sequence
-    (`batch_seq_axis`) and each device keeps its chunks."""
+    (`shape_step`) and each device keeps its chunks."""
     if spec.deg("sp") == 1:
         return None
     import jax.numpy as jnp
-    from jaxscale.strategies.sp.context import layout_permutation
+    from jaxscale.strategies.sp.seq_layout import layout_permutation
     perm = layout_permutation(spec.seq, spec.deg("sp"))
 
     def apply(batch: dict) -> dict:
@@ -86,10 +89,24 @@ def batch_layout(spec):
     return apply
 
 
-def batch_seq_axis(spec) -> str | None:
-    """The logical name of the input batch's sequence dimension: whole (None) under context
-    parallelism, whose layout the step applies first; `seq` otherwise."""
-    return None if spec.deg("sp") > 1 else "seq"
+def shape_step(spec, parts) -> None:
+    """The step: the batch seen through the zig-zag layout (`batch_layout`) before the loss, and
+    received whole along the sequence (each device keeps its chunks once it is permuted)."""
+    if spec.deg("sp") > 1:
+        parts.set("batch_view", batch_layout(spec), by=NAME)
+        parts.set("batch_seq", None, by=NAME)
+
+
+def _context(method: str):
+    """The model's attention over sequence shards by `method` (`context.context_attention`)."""
+    def run(q, k, v, *, mesh, rules, **kw):
+        from jaxscale.strategies.sp.context import context_attention
+        return context_attention(q, k, v, method=method, mesh=mesh, rules=rules, **kw)
+    return run
+
+
+for _method in CONTEXTS:
+    register("context", _method)(_context(_method))
 
 
 def collectives(spec) -> list[Comm]:

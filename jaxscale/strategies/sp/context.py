@@ -49,7 +49,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.axes import active, suspended
+from jaxscale.hooks.attention import _on_cuda_gpu, attention, choose, resolve
 from jaxscale.kernels import blockwise as bw
+from jaxscale.kernels import flash_attention as fa
 from jaxscale.kernels.blockwise import (MASK_VALUE, block_grads, check_inputs, finalize, init_carry,
                                         online_softmax_step, pad_to, tile_mask)
 # the layouts, re-exported: callers (the step, the tests) reach them through this module
@@ -101,18 +104,12 @@ def _hop_impl(implementation: str, Tl: int) -> str:
                  " on a GPU, or method='ulysses')" if implementation == "cudnn" else "")
         raise ValueError(f"ring / all-gather attention runs its blocks on one of "
                          f"{', '.join(HOP_IMPLEMENTATIONS)}; got {implementation!r}{extra}")
-    from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES, _on_cuda_gpu
-    if implementation != "auto":
-        return implementation
-    if _on_cuda_gpu():
-        return "pallas"
-    return "xla" if Tl * Tl <= AUTO_XLA_MAX_SCORES else "blockwise"
+    return choose(implementation, Tl, Tl, gpu=_on_cuda_gpu(), cudnn=False)
 
 
 def _flash_cfg(cfg: _Cfg, causal, T, S, D, dtype, has_seg):
     """The Pallas kernels' static config for one pair, as `flash_attention` builds it (tiles from
     its tuning table where it has one), and the padded lengths (Tp, Sp, Dp)."""
-    from jaxscale.kernels import flash_attention as fa
     fields = {f.name for f in dataclasses.fields(fa._Cfg)}
     if "tuning" in fields:
         tuning = fa.resolve_tuning(D, causal, dtype)
@@ -375,8 +372,6 @@ def allgather_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, 
 def _full_attention(q, k, v, *, causal, segment_ids, implementation, block_q, block_k):
     """Whole-sequence attention on one device (no sharding rules consulted: `attention()`'s pallas
     path would open a shard_map inside this one, so Pallas is called directly)."""
-    from jaxscale.hooks.attention import attention, resolve
-    from jaxscale.kernels.flash_attention import flash_attention
     impl = resolve(implementation, q, k, causal=causal, segment_ids=segment_ids)
     if impl == "blockwise":
         return bw.blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids,
@@ -390,7 +385,7 @@ def _full_attention(q, k, v, *, causal, segment_ids, implementation, block_q, bl
                 raise
             impl = "pallas"     # as attention()'s 'auto': pallas when cuDNN refuses
     if impl == "pallas":
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return fa.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     return attention(q, k, v, causal=causal, segment_ids=segment_ids, implementation=impl)
 
 
@@ -461,8 +456,7 @@ def context_attention(q, k, v, *, method: str = "ring", mesh=None, seq_axis: str
     if method not in METHODS:
         raise ValueError(f"unknown context-parallel method {method!r}; valid: {', '.join(METHODS)}")
     if mesh is None:
-        from jaxscale import axes
-        ctx = axes.active()
+        ctx = active()
         if ctx is None:
             raise ValueError("context_attention needs a mesh: pass mesh=, or call it under "
                              "jaxscale.axes.use_rules(mesh, rules)")
@@ -477,7 +471,6 @@ def context_attention(q, k, v, *, method: str = "ring", mesh=None, seq_axis: str
                                   block_k=block_k)
 
     def fn(q, k, v, segment_ids=None):
-        from jaxscale.axes import suspended
         with suspended():           # shards inside: the model's global rules do not apply
             return per_shard(q, k, v, segment_ids=segment_ids)
     if segment_ids is None:

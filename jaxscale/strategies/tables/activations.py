@@ -28,7 +28,7 @@ normalised probabilities of `kernels/reference.py` (JAX saves seven, XLA keeps f
 attention (`blockwise`, `pallas`, `cudnn`) keeps none of them, only O(s) statistics. For
 d = H hd, fp32 and K = H/2 this is 4 sbh (4 + 2 + 1 + 6 f/d) + 16 a s^2 b bytes per layer; for
 the `tiny` model (f = 3d) 4 sbh x 25 + 16 a s^2 b. The RMSNorm keeps only its input (in the
-compute dtype) and one fp32 statistic per token (`jaxscale.models.llama.rms_norm`'s backward
+compute dtype) and one fp32 statistic per token (`jaxscale.models.layers.rms_norm`'s backward
 recomputes the rest): no fp32 copy of the residual stream in a 16-bit model. Compare Korthikanti et al. (arXiv
 2205.05198) for a GPT block in 16 bits: sbh (34 + 5 a s / h) (see `gpt.py`).
 
@@ -48,8 +48,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.strategies.remat import SAVE_DOTS, actions
-
 #: tag -> (elements per token as a function of the model, split region)
 _TAG_SIZES = {
     "attn_norm": (lambda m: m.dim, "res"), "q_proj": (lambda m: m.n_heads * m.hd, "tp"),
@@ -59,6 +57,10 @@ _TAG_SIZES = {
     "mlp_up": (lambda m: m.ffn_dim, "tp"), "mlp_hidden": (lambda m: m.ffn_dim, "tp"),
     "mlp_down": (lambda m: m.dim, "res"),
 }
+#: the tags of the weight matmuls' outputs (what JAX's `dots_with_no_batch_dims_saveable` keeps)
+MATMUL_TAGS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+
+
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -85,7 +87,7 @@ class Split:
 @dataclass(frozen=True)
 class Experts:
     """A mixture of experts in `share` of the layers: E experts, k per token, `rows` expert MLP
-    rows per token (`jaxscale.strategies.ep.expert_rows`: capacity slots, padding included)."""
+    rows per token (`expert_rows`: capacity slots, padding included)."""
     n: int
     k: int
     rows: float
@@ -142,18 +144,19 @@ class LayerActivations:
 
 
 def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int, split: Split,
-                      remat: str = "none", attention: str = "xla",
+                      actions: dict[str, str] | None = None, attention: str = "xla",
                       experts: Experts | None = None) -> LayerActivations:
-    """Bytes per layer per device for `tokens` local tokens (micro-batch x seq_len)."""
+    """Bytes per layer per device for `tokens` local tokens (micro-batch x seq_len); `actions`:
+    a remat policy's tag -> save | remat | offload (`jaxscale.strategies.remat.actions`; None:
+    no remat, everything kept)."""
     full = {t.name: tokens * t.per_token * t.itemsize * split.factor(t.region)
             for t in block_tensors(model, seq_len, compute_itemsize, attention, experts)}
     total = sum(full.values())
-    if remat in ("none", ""):
+    if actions is None:
         return LayerActivations(total, 0.0, 0.0, 0.0, full)
-    policy = actions(remat)
     x = full["x"]
     saved, host = {"x": x}, 0.0
-    for tag, how in policy.items():
+    for tag, how in actions.items():
         size_fn, region = _TAG_SIZES[tag]
         rows = mlp_rows(experts) if tag.startswith("mlp_") and tag != "mlp_norm" else 1.0
         nbytes = tokens * size_fn(model) * rows * compute_itemsize * split.factor(region)
@@ -162,7 +165,7 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
         elif how == "offload":
             host += nbytes
     kept = sum(saved.values())
-    frac = sum(policy[t] == "remat" for t in SAVE_DOTS) / len(SAVE_DOTS)
+    frac = sum(actions[t] == "remat" for t in MATMUL_TAGS) / len(MATMUL_TAGS)
     return LayerActivations(kept, host, total - kept, frac, saved)
 
 
@@ -172,19 +175,43 @@ def split(spec) -> Split:
     return Split(tp=spec.deg("tp"), sp=spec.deg("sp"), megatron_sp=spec.sequence_parallel)
 
 
-def of_spec(spec, remat: str | None = None) -> LayerActivations:
-    """One layer's activations per device for one micro-batch of `spec` under a remat policy
-    (default: the plan's)."""
-    return layer_activations(spec.model, spec.seq, spec.micro_batch * spec.local_seq,
-                             spec.compute_itemsize, split(spec),
-                             spec.remat if remat is None else remat, spec.attention,
-                             experts(spec))
+def stream_bytes(spec) -> float:
+    """One [micro-batch, local sequence, dim] activation of the residual stream in the compute
+    dtype (Megatron's bsh): what a TP all-reduce or a pipeline stage boundary moves."""
+    return spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+
+
+# ----------------------------------------------------------------------------- mixtures of experts
+def ragged(spec) -> bool:
+    """Dropless without ep: each token's k rows sorted by expert through `jax.lax.ragged_dot`."""
+    return bool(spec.model.moe_dropless) and spec.deg("ep") == 1
+
+
+def ragged_dense(spec) -> bool:
+    """`ragged` on a CPU, where `ragged_dot` lowers to its reference: a dense matmul of every
+    row with every expert."""
+    return ragged(spec) and spec.device_kind == "cpu"
+
+
+def expert_rows(spec) -> float:
+    """Expert rows per token of a MoE layer: E C / T slots of the capacity buffer (E in
+    dropless mode under ep: the worst case), or exactly k sorted rows for dropless without ep."""
+    m = spec.model
+    if ragged(spec):
+        return float(m.moe_top_k)
+    T = int(spec.local_seq)
+    return m.moe_experts * m.moe_capacity(T) / T
+
+
+def moe_layers(spec) -> int:
+    """MoE layers on the busiest pipeline stage."""
+    m = spec.model
+    return -(-m.n_moe_layers // spec.deg("pp")) if spec.moe else 0
 
 
 def experts(spec) -> Experts | None:
     """The mixture of experts of `spec`'s model, as the activation table needs it."""
     if not spec.moe:
         return None
-    from jaxscale.strategies.ep import expert_rows
     m = spec.model
     return Experts(m.moe_experts, m.moe_top_k, expert_rows(spec), m.n_moe_layers / m.n_layers)

@@ -7,10 +7,18 @@ token table (its gradient is a scatter-add). The use decides how XLA reduces its
 `jaxscale.strategies.dp`). `tests/test_planner.py` checks the table against the real model's abstract
 parameters and logical specs, so the two cannot drift apart.
 
-Sharding follows the plan's logical->mesh rules (`jaxscale.plan.rules`, composed from the
-strategies); ZeRO (`jaxscale.strategies.zero.shard_factor`) shards the state over `dp` on top of
-that, stage by stage. The `fsdp` axis always shards all three parts (it *is* ZeRO-3 over its
-devices).
+`Leaf.local_size` is a leaf's elements per device under a plan's logical->mesh rules
+(`jaxscale.plan.rules`); ZeRO's split of each state part over `dp` on top of that is
+`jaxscale.strategies.zero.shards`.
+
+Which axes a weight contracts, from its logical names only (`contracted_axes`: quantisation and
+pruning both need it):
+- `layers` and `experts` are stacked copies, never contracted: each index is its own matrix;
+- norm scales (one non-stacked axis, e.g. ("layers", "embed")) are not weights;
+- output projections, whose last axis is `embed` (wo: heads, head_dim -> embed; w_down: mlp ->
+  embed), contract every other non-stacked axis; all other weights contract their `embed` axis
+  (wq/wk/wv, w_gate/w_up, head, the MoE router). The embedding table ("vocab", "embed") is a
+  lookup (`is_lookup`): its `embed` axis is the one reduced, so it gets one scale per row.
 """
 from __future__ import annotations
 
@@ -92,34 +100,26 @@ def active_count(model) -> int:
     return count(model) - (model.moe_experts - model.moe_top_k) * expert
 
 
-@dataclass(frozen=True)
-class Shards:
-    """Per-device element counts of the model state under a plan."""
-    params: float                 # stored parameters (after fsdp/tp/pp/ep and ZeRO-3 over dp)
-    grads: float                  # gradients after reduction (ZeRO-2/3: also over dp)
-    optimizer: float              # elements of one optimizer moment (ZeRO-1+: also over dp)
-    gathered_layer: float         # one layer's parameters once gathered over fsdp (and dp, ZeRO-3)
-    total: int
+#: logical axes of stacked copies (each index its own matrix), never contracted
+STACKED = ("layers", "experts")
 
 
-def shards(spec) -> Shards:
-    """Per-device elements of each part of the model state under `spec` (its rules, and ZeRO's
-    shard factor over dp per part)."""
-    from jaxscale.strategies import zero
-    model = spec.model
-    ls = leaves(model)
-    local = sum(leaf.local_size(spec) for leaf in ls)
-    gathered = [leaf.local_size(spec, drop=("fsdp",)) for leaf in ls]
-    per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / max(
-        1, math.ceil(model.n_layers / spec.deg("pp")))
-    if not model.scan_layers:
-        per_layer = max(sum(g for g, leaf in zip(gathered, ls)      # the largest layer
-                            if leaf.path.startswith(f"layers/{i}/"))
-                        for i in range(model.n_layers))
-    return Shards(
-        params=local / zero.shard_factor(spec, "params"),
-        grads=local / zero.shard_factor(spec, "grads"),
-        optimizer=local / zero.shard_factor(spec, "optimizer"),
-        gathered_layer=per_layer,
-        total=sum(leaf.size for leaf in ls),
-    )
+def contracted_axes(names: tuple) -> tuple[int, ...] | None:
+    """Positions of the axes a weight with these logical names contracts (its input), or None
+    for a leaf that is not a weight (a norm scale, a bias)."""
+    own = [i for i, n in enumerate(names) if n not in STACKED]
+    if len(own) < 2:
+        return None
+    if names[own[-1]] == "embed" and names[own[0]] != "vocab":     # output projection
+        return tuple(own[:-1])
+    emb = tuple(i for i in own if names[i] == "embed")
+    if not emb:
+        raise ValueError(f"weight with logical axes {names} has no 'embed' axis: cannot tell "
+                         f"its contracted (input) axis")
+    return emb
+
+
+def is_lookup(names: tuple) -> bool:
+    """An embedding table ("vocab", "embed"): read by row, never multiplied."""
+    own = [n for n in names if n not in STACKED]
+    return own[:1] == ["vocab"] and own[-1:] == ["embed"]

@@ -1,73 +1,31 @@
-"""Host offload of train state: optimizer moments, fp32 master weights and/or working parameters
-resident in host memory (`pinned_host` memory kind) between steps, and streamed through the
-device by the optimizer update one layer at a time.
+"""The update of an offloaded train state, streamed through the device one layer at a time.
 
-The step: the working parameters come to the device whole for the forward and backward (when
-`params` is offloaded); the optimizer state and the master weights do not come over for them at
-all. The update then runs as a loop over the layer-stacked leaves (`streamed_update`): iteration i
-brings layer i of the moments, master weights and parameters to the device, applies the AdamW
-update (clipped by the global gradient norm, computed once before the loop), sends the new values
-back and writes them in place into the state's own (donated) host buffers; the next layer is
-fetched as soon as this one is written (under ZeRO with the layers split over dp, one layer of
-each device's own block per iteration). The embedding, head and final norm (not stacked) go one
-leaf at a time, whole, after the loop: at most one layer's state, or one such leaf's, is on the
-device at a time.
-
-Memory: device-resident state falls by exactly the offloaded bytes (Adam moments alone are 8 of
-the 16 bytes/param), and so does the device peak where the backward sets it (it holds none of
-the offloaded state); the update phase holds the gradients plus one piece (a layer's state, its
-update and its gradient slice in fp32, `piece_bytes`) instead of a copy of the whole state. Cost: each step moves every
-offloaded byte to the device and back, 2 x offloaded bytes over PCIe (~25 GB/s per GPU, vs ~4 TB/s
-HBM); the layer loop overlaps one layer's copies with the next layer's compute only partly (a
-layer is fetched after the previous one is written), so the planner's step-time model charges
-the traffic unhidden. Collectives: none added. Activation offload goes through the remat policy
-(`plan.remat=offload`), not here.
+`streamed_update` computes an element-wise map of the state (the optimizer update) piece by
+piece: one layer of every layer-stacked leaf per iteration of a loop, then each other leaf whole;
+`streamed` is the step's update built on it (`StepParts.update`). See `offload/__init__.py` for
+what it saves and costs.
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Term, problems_of
+import math
 
-NAME = "offload"
-AVAILABLE = True
-PARTS = ("optimizer", "master", "params")
-HOST = "pinned_host"
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
 
-
-def parse(spec: str) -> frozenset[str]:
-    if spec in ("", "none"):
-        return frozenset()
-    parts = frozenset(p.strip() for p in spec.split("+"))
-    bad = parts - set(PARTS)
-    if bad:
-        raise ValueError(f"unknown plan.offload part(s) {sorted(bad)}; valid: none, or "
-                         f"{', '.join(PARTS)} joined with '+' (e.g. optimizer+master)")
-    return parts
+from jaxscale.strategies.common import keep_if_finite
 
 
-def memory_kind(part: str, parts: frozenset[str]) -> str | None:
-    """Where a part of the train state lives between steps: host memory when offloaded."""
-    return HOST if part in parts else None
-
-
-def move(tree, shardings, parts: frozenset[str]):
-    """Inside the step: `tree` to `shardings` (device memory on the way in, its home memory kind
-    on the way out), whole; nothing to do when nothing is offloaded."""
-    if tree is None or not parts:
-        return tree
-    import jax
-    return jax.device_put(tree, shardings)
-
-
-# ----------------------------------------------------------------------------- the streamed update
 def _on_host(sharding) -> bool:
-    return getattr(sharding, "memory_kind", None) == HOST
+    """Whether a part lives outside device memory between steps (`pinned_host`)."""
+    return getattr(sharding, "memory_kind", None) not in (None, "device")
 
 
 def pieces(n_layers: int, shardings) -> tuple[int, int]:
     """(iterations of the layer loop, layers each iteration takes): one layer per device per
     iteration. A leading dimension that ZeRO splits over `dp` (n ways) is taken n layers at a
     time, one from each device's own block, so no iteration moves a layer between devices."""
-    import math
     n = 1
     for sh in shardings:
         first = (tuple(getattr(sh, "spec", ())) or (None,))[0]
@@ -83,7 +41,6 @@ def _zero_after(x):
     """0, computed from `x`: an index that makes what it addresses wait for `x` (XLA may
     otherwise hoist a read that depends on nothing else to the start of the step). The first
     of [True, anything] is a maximum whatever `x` is, so argmax gives 0, but XLA cannot fold it."""
-    import jax.numpy as jnp
     if x is None:
         return jnp.int32(0)
     return jnp.argmax(jnp.stack([jnp.bool_(True), jnp.isnan(x)])).astype(jnp.int32)
@@ -111,9 +68,6 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
     carry: one layer's state is on the device at a time, no reader of the old carry is left when
     it is written (XLA would copy the carry otherwise), the new state takes the old's buffers.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
 
     device, host = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -219,77 +173,27 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
     return tuple(final)
 
 
-# ----------------------------------------------------------------------------- protocol
-def active(spec) -> bool:
-    return not problems(spec) and bool(parse(spec.offload))
+def streamed(ctx):
+    """The optimizer update of an offloaded state (`StepParts.update`'s contract: (grads, norm,
+    finite, state, device params) -> (params, optimizer state, master)), by `streamed_update`:
+    one layer's offloaded state on the device at a time, the working parameters written in place
+    where they live; a skipped step leaves every piece as it was."""
+    lay, host_sh, policy = ctx.lay, ctx.host_sh, ctx.policy
+    master = lay.master
 
+    def run(grads, norm, finite, state, params):
+        def piece(grads, opt_state, master_, params):
+            old = (opt_state, master_ if master else params)
+            new_opt, target = keep_if_finite(finite, ctx.apply_update((grads, norm), old), old)
+            return policy.working(target), new_opt, target if master else None
 
-def problems(spec) -> list[str]:
-    errs = problems_of(parse, spec.offload)
-    if errs:
-        return errs
-    if "master" in parse(spec.offload) and not spec.mixed:
-        return [f"plan.offload includes 'master' but plan.precision={spec.precision} keeps no "
-                f"separate fp32 master weights; offload 'params' or 'optimizer', or use bf16/fp16"]
-    return []
-
-
-def rules(spec, rules) -> None:
-    """Offload adds no sharding rule (the state keeps its shardings, in host memory)."""
-
-
-def collectives(spec) -> list:
-    """None: the device<->host copies are PCIe transfers, charged by the planner's time model."""
-    return []
-
-
-def memory(spec) -> list[Term]:
-    """Each offloaded part leaves device memory for host memory, byte for byte; and the update
-    phase holds one streamed piece of it on the device."""
-    if not active(spec):
-        return []
-    from jaxscale.strategies.precision import state_bytes
-    state = state_bytes(spec)
-    out = []
-    for part in PARTS:
-        if part in parse(spec.offload):
-            out += [Term(part, -state[part], f"{part} offloaded to host memory"),
-                    Term("host", state[part], f"{part} in host memory", part=part)]
-    return out + [Term("update", piece_bytes(spec),
-                       "one streamed piece: a layer's state, its update, its fp32 gradient")]
-
-
-def piece_bytes(spec) -> float:
-    """Device bytes of the largest piece of the streamed update, per device: one iteration of
-    the layer loop (a layer of the working parameters, master weights and moments, and of the
-    gradients in fp32), or the largest unstacked leaf (embedding or head) with the same parts.
-    On XLA:CPU (one memory: a `device_put` of a slice is no copy) the update writes straight
-    into the carry; on a GPU the host-homed parts' new values wait on the device for their copy
-    back, one piece more of those parts."""
-    from jaxscale.strategies.tables.params import leaves, shards
-    from jaxscale.strategies import zero
-    sh = shards(spec)
-    moment = 4 if spec.mixed else spec.param_itemsize
-    per_elem = {"params": spec.param_itemsize, "master": 4 if spec.mixed else 0,
-                "optimizer": spec.moments * moment, "grads": 4}
-    if spec.device_kind != "cpu":
-        for part in parse(spec.offload):
-            per_elem[part] = 2 * per_elem[part]
-    elems = {"params": sh.params, "master": sh.optimizer, "optimizer": sh.optimizer,
-             "grads": sh.optimizer}
-    ls = leaves(spec.model)
-    total = sum(leaf.size for leaf in ls)
-    stacked = sum(leaf.size for leaf in ls if leaf.stacked)
-    n_layers, dp = spec.model.n_layers, spec.deg("dp")
-    # ZeRO splits the leading (layers) dimension over dp when nothing else takes it: each
-    # iteration then takes one layer from each device's own block of layers
-    width = dp if (zero.stage(spec) and dp > 1 and spec.deg("fsdp") == 1
-                   and n_layers % dp == 0) else 1
-    layer = sum(elems[k] * stacked / total * width / n_layers * b for k, b in per_elem.items())
-    unstacked = max((leaf.size for leaf in ls if not leaf.stacked), default=0)
-    leaf = sum(elems[k] * unstacked / total * b for k, b in per_elem.items())
-    return float(max(layer, leaf))
-
-
-def label(spec) -> list[str]:
-    return [f"offload={spec.offload}"] if active(spec) else []
+        opt_index = optax.tree_map_params(ctx.optimizer, lambda _, j: j, state.opt_state,
+                                          ctx.param_index, transform_non_params=lambda _: -1)
+        return streamed_update(
+            piece, (grads, state.opt_state, state.master, state.params),
+            arg_sh=(ctx.grads_sh, host_sh.opt_state, host_sh.master, host_sh.params),
+            out_sh=(host_sh.params, host_sh.opt_state, host_sh.master), out_like=(3, 1, 2),
+            index=(ctx.param_index, opt_index, ctx.param_index if master else None,
+                   ctx.param_index),
+            stacked=ctx.stacked, after=norm)
+    return run
