@@ -180,7 +180,8 @@ def cmd_experiments(args) -> int:
     from jaxscale import gallery
     if args.action == "list":
         return gallery.list_topics()
-    return gallery.run(args.names, args.all, args.out, args.limit_s or gallery.LIMIT_S)
+    return gallery.run(args.names, args.all, args.out, args.limit_s or gallery.LIMIT_S,
+                       publish=args.publish)
 
 
 def cmd_plan(args) -> int:
@@ -226,14 +227,19 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("what", help="collectives")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
     be.set_defaults(func=cmd_bench)
-    ex = sub.add_parser("experiments", help="run the topic experiments and write the gallery "
-                        "experiments/README.md (each experiment's claims, table and figure)")
+    ex = sub.add_parser("experiments", help="run the topic experiments and write their gallery "
+                        "(each experiment's claims, table and figure) under --out; --publish "
+                        "updates the committed experiments/README.md")
     ex_sub = ex.add_subparsers(dest="action", required=True)
     er = ex_sub.add_parser("run", help="run experiments (NN or names, or --all); exits non-zero "
                            "when one fails")
     er.add_argument("names", nargs="*", help="topic numbers (07) or script names")
     er.add_argument("--all", action="store_true", help="every experiments/NN_*.py")
-    er.add_argument("--out", default="runs/experiments", help="where each run writes its output")
+    er.add_argument("--out", default="runs/experiments",
+                    help="where each run writes its output and the gallery of the runs")
+    er.add_argument("--publish", action="store_true",
+                    help="also merge the results into the committed gallery (experiments/"
+                         "README.md, gallery.json, img/)")
     er.add_argument("--limit-s", type=arg(lo=1), default=None,
                     help="stop an experiment after this many seconds (default 2x its budget)")
     er.set_defaults(func=cmd_experiments)

@@ -1,18 +1,21 @@
 """The experiments gallery: run the topic experiments, collect each one's key table and figure, and
-write `experiments/README.md`.
+write a gallery page of them.
 
 `jaxscale experiments run --all` (or named topics: `run 11 14`) runs every `experiments/NN_*.py`
 as its own process (`python experiments/NN_x.py --out runs/experiments/NN_x`), each under a time
 limit, and keeps for each: exit status, wall time, the claims table it wrote (`results.json`, from
-`experiments/_common.Claims`; else the last table it printed) and the first figure it wrote
-(copied to `experiments/img/`). Results accumulate in `experiments/gallery.json`, so running some
-topics updates their entries and keeps the others; the README is rewritten from that file every
-time. The command states its CPU budget before it starts (per experiment `BUDGET_S` on `CORES`
-cores, the topics' "under three minutes on a laptop CPU", i.e. CORES x BUDGET_S CPU seconds:
-CPU time, unlike wall time, does not grow when something else shares the machine), marks each
-experiment over budget, and exits non-zero,
-naming each one, when any experiment fails, times out or writes no result: a broken experiment
-is never silently left out of the gallery.
+`experiments/_common.Claims`; else the last table it printed) and the first figure it wrote.
+A run writes under its `--out` folder only (default `runs/experiments/`): the results accumulate
+in `gallery.json` there (running some topics updates their entries and keeps the others), each
+figure is copied to `img/`, and `README.md` is rewritten from them. Running is not publishing:
+the committed gallery (`experiments/README.md`, `experiments/gallery.json`, `experiments/img/`)
+changes only with `--publish`, which merges the run's entries into it the same way.
+
+The command states its CPU budget before it starts (per experiment `BUDGET_S` on `CORES` cores,
+the topics' "under three minutes on a laptop CPU", i.e. CORES x BUDGET_S CPU seconds: CPU time,
+unlike wall time, does not grow when something else shares the machine), marks each experiment
+over budget, and exits non-zero, naming each one, when any experiment fails, times out or
+writes no result: a broken experiment is never silently left out of the gallery.
 """
 from __future__ import annotations
 
@@ -45,13 +48,27 @@ TITLES = {
 }
 
 
-DB = "experiments/gallery.json"   # every experiment's last result, the gallery's source
+DB = "gallery.json"       # in a gallery's folder: every experiment's last result, its source
 
 
-def load(tree: Path) -> dict[int, dict]:
-    """topic -> its last recorded run (`DB`), empty before the first run."""
-    path = tree / DB
+def load(folder: Path) -> dict[int, dict]:
+    """topic -> its last recorded run in the gallery at `folder` (`DB`), empty before the first."""
+    path = folder / DB
     return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+
+
+def save(folder: Path, entries: dict[int, dict], tree: Path, figures: dict[int, Path]) -> Path:
+    """The gallery at `folder`: `entries` merged into its `gallery.json`, the run's figures
+    copied to its `img/`, its README rewritten; returns the README's path."""
+    db = load(folder)
+    db.update(entries)
+    folder.mkdir(parents=True, exist_ok=True)
+    for t, src in figures.items():
+        (folder / "img").mkdir(exist_ok=True)
+        shutil.copyfile(src, folder / db[t]["figure"])
+    (folder / DB).write_text(json.dumps({f"{k:02d}": v for k, v in sorted(db.items())},
+                                        indent=1))
+    return write_readme(folder, db, tree)
 
 
 def root() -> Path:
@@ -128,7 +145,9 @@ def claims_table(results: dict) -> str:
                             for c, m, e, ok in rows)
 
 
-def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float) -> dict:
+def run_one(topic: int, script: Path, out_root: Path, tree: Path,
+            limit_s: float) -> tuple[dict, Path | None]:
+    """Run one experiment into `out_root/<its name>`: its gallery entry, and its first figure."""
     out = out_root / script.stem
     if out.exists():
         shutil.rmtree(out)
@@ -155,12 +174,7 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
         results = json.loads((out / "results.json").read_text())
         results = results if isinstance(results, dict) else {"rows": results}
     figures = sorted(out.rglob("*.png"), key=lambda p: p.stat().st_mtime)
-    figure = None
-    if figures:
-        img = tree / "experiments" / "img"
-        img.mkdir(exist_ok=True)
-        figure = f"img/{script.stem}.png"
-        shutil.copyfile(figures[0], tree / "experiments" / figure)
+    figure = f"img/{script.stem}.png" if figures else None
     failed = rc != 0 or (not figures and not results)
     return {"topic": topic, "script": f"experiments/{script.name}", "rc": rc,
             "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
@@ -169,7 +183,8 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path, limit_s: float
             "table": (out / "table.md").read_text().strip() if (out / "table.md").is_file()
             else last_table(stdout),
             "figure": figure, "tail": "" if not failed else "\n".join((stdout + stderr).splitlines()[-TAIL:]),
-            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}, \
+        (figures[0] if figures else None)
 
 
 def _child_cpu() -> float:
@@ -190,21 +205,28 @@ def slug(t: int) -> str:
     return re.sub(r"[^a-z0-9 -]", "", f"{t:02d} {TITLES[t]}".lower()).replace(" ", "-")
 
 
-def write_readme(tree: Path, entries: dict[int, dict]) -> Path:
+def write_readme(folder: Path, entries: dict[int, dict], tree: Path) -> Path:
+    """`folder/README.md` from the entries, its links to the scripts of `tree/experiments`."""
     found = scripts(tree)
+    to_scripts = os.path.relpath(tree / "experiments", folder)
+
+    def link(path: Path) -> str:
+        return path.name if to_scripts == "." else f"{to_scripts}/{path.name}"
     total = sum(e["cpu_seconds"] for e in entries.values())
     lines = [
         "# Experiments gallery", "",
         "One experiment per topic, each runnable on a laptop CPU (8 simulated devices). This page is",
         "written by `jaxscale experiments run --all` (or `run NN ...` for some topics) from the",
-        "experiments' own output: the claims each one checks (measured beside expected) or its",
+        "experiments' own output, under `runs/experiments/`; `--publish` merges the run into the",
+        "committed gallery, `experiments/README.md`. It shows the claims each one checks (measured",
+        "beside expected) or its",
         f"key table, and its first figure. Per experiment the budget is {BUDGET_S} s on "
         f"{CORES} CPU cores,", f"{CORES * BUDGET_S} CPU seconds; the last runs took "
         f"{total / 60:.0f} CPU minutes in all.", "",
         "| topic | experiment | result | CPU s | wall s |", "|---|---|---|---:|---:|"]
     for t in range(1, 31):
         e = entries.get(t)
-        name = f"[{found[t].name}]({found[t].name})" if t in found else "none yet"
+        name = f"[{found[t].name}]({link(found[t])})" if t in found else "none yet"
         status = ("not run" if e is None else "FAILED" if e["failed"] else
                   "over budget" if e["over_budget"] else "ok")
         secs = f"{e['cpu_seconds']:.0f} | {e['seconds']:.0f}" if e else " | "
@@ -227,15 +249,16 @@ def write_readme(tree: Path, entries: dict[int, dict]) -> Path:
             lines += ["", e["claims"]]
         if e["figure"]:
             lines += ["", f"![{TITLES[t]}]({e['figure']})"]
-    path = tree / "experiments" / "README.md"
+    path = folder / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def run(names: list[str], all_: bool, out: str = "runs/experiments",
-        limit_s: float = LIMIT_S, tree: Path | None = None) -> int:
-    """Run the named (or all) experiments of `tree` (default: this source tree), update its
-    gallery; 1 when one failed (or, with `all_`, a topic has no experiment), else 0."""
+        limit_s: float = LIMIT_S, tree: Path | None = None, publish: bool = False) -> int:
+    """Run the named (or all) experiments of `tree` (default: this source tree) into `out` and
+    update the gallery there (with `publish`, the committed one in `tree/experiments` too);
+    1 when one failed (or, with `all_`, a topic has no experiment), else 0."""
     tree = tree or root()
     found = scripts(tree)
     topics = sorted(found) if all_ else select(names, found)
@@ -244,21 +267,24 @@ def run(names: list[str], all_: bool, out: str = "runs/experiments",
     print(f"running {len(topics)} experiment(s): budget {BUDGET_S} s each on {CORES} CPU cores "
           f"({CORES * BUDGET_S} CPU s), {len(topics) * BUDGET_S / 60:.0f} min in all on an idle "
           f"machine; each is stopped after {limit_s:.0f} s wall", flush=True)
-    db = load(tree)
+    folder = Path(out).resolve()
+    entries, figures = {}, {}
     for i, t in enumerate(topics, 1):
         print(f"[{i}/{len(topics)}] {found[t].name} ...", end=" ", flush=True)
-        e = run_one(t, found[t], Path(out).resolve(), tree, limit_s)
-        db[t] = e
+        entries[t], fig = run_one(t, found[t], folder, tree, limit_s)
+        if fig is not None:
+            figures[t] = fig
+        e = entries[t]
         print(("FAILED (exit %s)" % e["rc"]) if e["failed"] else
               f"{e['cpu_seconds']:.0f} CPU s, {e['seconds']:.0f} s wall"
               + (" OVER BUDGET" if e["over_budget"] else ""), flush=True)
-        (tree / DB).write_text(json.dumps({f"{k:02d}": v for k, v in sorted(db.items())},
-                                          indent=1))
-        write_readme(tree, db)
+        readme = save(folder, {t: e}, tree, {t: fig} if fig is not None else {})
+    print(f"gallery: {readme}")
+    if publish:
+        print(f"published: {save(tree / 'experiments', entries, tree, figures)}")
     missing = [t for t in range(1, 31) if t not in found]
-    failed = [found[t].name for t in topics if db[t]["failed"]]
-    over = [found[t].name for t in topics if db[t]["over_budget"]]
-    print(f"gallery: {tree / 'experiments' / 'README.md'}")
+    failed = [found[t].name for t in topics if entries[t]["failed"]]
+    over = [found[t].name for t in topics if entries[t]["over_budget"]]
     if over:
         print(f"over the {CORES * BUDGET_S} CPU s budget: {', '.join(over)}")
     if missing:
@@ -269,9 +295,10 @@ def run(names: list[str], all_: bool, out: str = "runs/experiments",
 
 
 def list_topics() -> int:
+    """The topics, their experiments and their results in the committed gallery."""
     tree = root()
     found = scripts(tree)
-    db = load(tree)
+    db = load(tree / "experiments")
     for t in range(1, 31):
         e = db.get(t)
         last = "" if e is None else ("FAILED" if e["failed"] else
