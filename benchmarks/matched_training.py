@@ -267,7 +267,7 @@ def run_pairs(modes, base_cfg, world: int, steps: int, *, warmup: int = 2, chunk
 
     import jax
 
-    from jaxscale.interop.hf import params_to_hf
+    from jaxscale.interop.hf_tensors import params_to_hf
     from jaxscale.plan import validate
     log = log or (lambda s: None)
     if len(jax.devices()) < world:

@@ -4,9 +4,10 @@ Same architecture as `models/llama.py`: RMSNorm (fp32 statistics), RoPE in the r
 with optional Llama-3.1 frequency scaling, grouped-query attention (causal), SwiGLU MLP, untied or
 tied LM head. Modules carry Hugging Face names (`model.layers.0.self_attn.q_proj`, `lm_head`, ...),
 so the state dict is a `LlamaForCausalLM` state dict and the conversion to and from jaxscale params
-is `jaxscale.interop.hf`'s. Linear layers are `nn.Linear` ([out, in] weights) so that DTensor tensor
-parallelism (`ColwiseParallel` / `RowwiseParallel`) applies as to any PyTorch LLaMA; attention
-reshapes with -1 heads, so it runs on the local heads of a column-parallel projection.
+is `jaxscale.interop.hf_tensors`'. Linear layers are `nn.Linear` ([out, in] weights) so that
+DTensor tensor parallelism (`ColwiseParallel` / `RowwiseParallel`) applies as to any PyTorch
+LLaMA; attention reshapes with -1 heads, so it runs on the local heads of a column-parallel
+projection.
 
 `AdamWLikeOptax` reproduces `jaxscale.train.state.make_optimizer`: the warmup + cosine schedule of
 `optax.warmup_cosine_decay_schedule`, clipping by the global gradient norm the way
@@ -226,14 +227,14 @@ def parallelize(model, mode: str, world: int, device_type: str, hsdp_dp: int = 2
 # ----------------------------------------------------------------------------- conversion
 def state_dict_from_jaxscale(params, model_cfg) -> dict[str, torch.Tensor]:
     """jaxscale params (jax or numpy arrays, scanned or not) -> a `TorchLlama` state dict."""
-    from jaxscale.interop.hf import params_to_hf
+    from jaxscale.interop.hf_tensors import params_to_hf
     return {k: torch.from_numpy(np.array(v, dtype=np.float32))
             for k, v in params_to_hf(params, model_cfg).items()}
 
 
 def jaxscale_from_state_dict(state_dict, model_cfg) -> dict:
     """A `TorchLlama` (or `LlamaForCausalLM`) state dict -> jaxscale params (numpy arrays)."""
-    from jaxscale.interop.hf import hf_to_params
+    from jaxscale.interop.hf_tensors import hf_to_params
     return hf_to_params({k: v.detach().cpu().float().numpy() for k, v in state_dict.items()},
                         model_cfg)
 

@@ -1,7 +1,13 @@
-"""Draw docs/img/architecture.png: how a `--set mesh.tp=2` travels to the compiled step and to the
-planner (`python docs/architecture.py`)."""
+"""Draw docs/img/architecture.png from the code: the layers of `pyproject.toml`'s layers contract,
+the modules in each, the imports between them (read from the source, as `tests/test_layout.py`
+reads them), and the path of one option from the command line to the compiled step
+(`python docs/architecture.py`)."""
 from __future__ import annotations
 
+import sys
+import textwrap
+import tomllib
+from collections import Counter
 from pathlib import Path
 
 import matplotlib
@@ -10,82 +16,107 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-BOXES = {   # name: (x, y, w, h, title, body, colour)
-    "cli": (0.5, 8.6, 5.2, 1.0, "jaxscale train | inspect | plan  --set mesh.tp=2",
-            "cli.py, planner/cli.py: one override syntax for all three", "#e8eef7"),
-    "config": (0.5, 7.1, 5.2, 1.0, "Config (config.py)",
-               "frozen dataclasses; --set a.b=c reaches MeshConfig.tp", "#e8eef7"),
-    "spec": (0.5, 5.6, 5.2, 1.0, "Spec (plan.py)",
-             "model, mesh degrees, batch, seq, plan.* options; no JAX", "#fdf2d0"),
-    "plan": (0.5, 3.4, 5.2, 1.7, "plan.py: compose in STRATEGIES order",
-             "problems(spec) + unavailable(spec)\nrules(spec) -> Rules (logical -> mesh)\n"
-             "collectives(spec) -> [Comm]\nmemory_terms(spec) -> [Term]", "#fdf2d0"),
-    "strategies": (6.6, 3.3, 5.0, 3.0, "strategies/ (one module each)",
-                   "dp  fsdp  zero  tp  sp  ep  pp\nprecision  accumulate  remat  offload\n\n"
-                   "each: NAME, AVAILABLE, active, problems,\nrules, collectives, memory, label\n\n"
-                   "tp.rules: heads, kv_heads, mlp, vocab -> tp\n"
-                   "tp.collectives: 2 fwd + 5 bwd all-reduces\n  per layer (minimum 4)\n"
-                   "tp.memory: q/k/v gradient buffers", "#e3f1e3"),
-    "place": (0.5, 1.5, 3.4, 1.3, "place(cfg, devices)",
-              "Placement: jax Mesh\n(dp,pp,fsdp,ep,sp,tp) + Rules", "#f3e3ef"),
-    "train": (0.5, -0.4, 3.4, 1.4, "train/ (setup, state, step)",
-              "zero.state_specs, offload.memory_kind,\nprecision.policy, accumulate.grads,\n"
-              "remat.block_wrapper", "#f3e3ef"),
-    "xla": (0.5, -2.2, 3.4, 1.2, "jax.jit -> XLA (GSPMD)",
-            "sharding annotations -> collectives\n(NCCL on GPUs)", "#f3e3ef"),
-    "compiled": (4.4, -2.4, 3.7, 1.6, "compiled.py (inspect)",
-                 "memory_analysis()\ncensus of the HLO (hlo.py)\n"
-                 "theory_vs_census(plan.collectives)", "#f3e3ef"),
-    "planner": (8.6, -0.2, 3.0, 2.6, "planner/",
-                "memory: model terms +\n  strategy terms\nperf: FLOPs, cost.py\n"
-                "  alpha-beta, MFU\nsearch: only what train\n  runs (or marked)", "#e6e6f5"),
-    "valid": (8.6, -2.4, 3.0, 1.6, "planner/validate.py",
-              "predicted vs compiled on\nthe validation set (CASES);\n"
-              "inspect theory == planner", "#e6e6f5"),
-}
-ARROWS = [("cli", "config"), ("config", "spec"), ("spec", "plan"), ("plan", "strategies"),
-          ("strategies", "plan"), ("plan", "place"), ("place", "train"), ("train", "xla"),
-          ("xla", "compiled"), ("plan", "planner"), ("plan", "compiled"),
-          ("planner", "valid"), ("compiled", "valid")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.test_layout import build_graph  # noqa: E402
+
+#: `--set plan.qat=fp8` from the command line to the compiled step: (file, what it does there)
+PATH = [
+    ("cli.py", "jaxscale train llama_tiny --set plan.qat=fp8"),
+    ("config.py", "PlanConfig.qat: one_of(none, int8, fp8)"),
+    ("plan.py", "Spec; STRATEGIES: problems, rules, collectives,\nmemory, step_parts, in one order"),
+    ("strategies/qat/__init__.py", "problems; rules: the projection seam;\n"
+     "shape_step: state.quant + a probe"),
+    ("train/setup.py, train/step.py", "the step built from StepParts\n(names no strategy)"),
+    ("hooks/projection.py", "the model's matmuls call project():\nqat's registered fp8 matmul"),
+    ("strategies/qat/numerics.py", "e4m3 x e4m3 dot, e5m2 gradients,\namaxes as the scales' cotangent"),
+]
 
 
-def centre(b, side):
-    x, y, w, h = BOXES[b][:4]
-    return {"top": (x + w / 2, y + h), "bottom": (x + w / 2, y), "left": (x, y + h / 2),
-            "right": (x + w, y + h / 2)}[side]
+def layers() -> list[list[str]]:
+    contract = next(c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                    ["tool"]["importlinter"]["contracts"] if c["id"] == "layers")
+    return [[m.strip() for m in layer.replace(":", "|").split("|")]
+            for layer in contract["layers"]]
 
 
-def sides(a, b):
-    ax, ay, aw, ah = BOXES[a][:4]
-    bx, by, bw, bh = BOXES[b][:4]
-    if bx >= ax + aw:
-        return "right", "left"
-    if bx + bw <= ax:
-        return "left", "right"
-    return ("bottom", "top") if by < ay else ("top", "bottom")
+def layer_of(module: str, rows: list[list[str]]) -> int | None:
+    for i, row in enumerate(rows):
+        if any(module == m or module.startswith(m + ".") for m in row):
+            return i
+    return None
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(12, 12.5))
-    for name, (x, y, w, h, title, body, colour) in BOXES.items():
-        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=colour,
+    rows = layers()
+    graph = build_graph()
+    count = Counter()
+    for m in graph.modules:
+        i = layer_of(m, rows)
+        if i is not None:
+            top = next(p for p in rows[i] if m == p or m.startswith(p + "."))
+            count[top] += 1
+    edges = Counter()
+    children: dict[str, list[str]] = {}
+    for m in sorted(graph.modules):
+        a = layer_of(m, rows)
+        if a is not None:
+            top = next(p for p in rows[a] if m == p or m.startswith(p + "."))
+            rest = m.removeprefix(top + ".").split(".")
+            folder = ROOT / "jaxscale" / Path(*top.split(".")[1:]) / rest[0]
+            name = rest[0] + ("/" if folder.is_dir() else "")
+            if m != top and name not in children.setdefault(top, []):
+                children[top].append(name)
+        for n in graph.find_modules_directly_imported_by(m):
+            b = layer_of(n, rows)
+            if a is not None and b is not None and a != b:
+                edges[(a, b)] += 1
+    fig, ax = plt.subplots(figsize=(14, 12))
+    h, gap, w = 0.72, 0.14, 6.2
+    y0 = len(rows) * (h + gap)
+    ys = {}
+    for i, row in enumerate(rows):
+        y = y0 - i * (h + gap)
+        ys[i] = y
+        ax.add_patch(FancyBboxPatch((0.3, y), w, h, boxstyle="round,pad=0.03",
+                                    fc="#e3f1e3" if "jaxscale.strategies" in row else "#e8eef7",
                                     ec="#444444", lw=1))
-        ax.text(x + 0.12, y + h - 0.12, title, fontsize=9.5, weight="bold", va="top")
-        ax.text(x + 0.12, y + h - 0.45, body, fontsize=8.2, va="top", family="monospace")
-    for a, b in ARROWS:
-        sa, sb = sides(a, b)
-        pa, pb = centre(a, sa), centre(b, sb)
-        if (a, b) == ("strategies", "plan"):
-            pa, pb = (pa[0], pa[1] - 0.4), (pb[0], pb[1] - 0.4)
-        ax.add_patch(FancyArrowPatch(pa, pb, arrowstyle="-|>", mutation_scale=12, lw=1.1,
-                                     color="#333333", connectionstyle="arc3,rad=0.0"))
-    ax.text(5.85, 4.95, "calls", fontsize=8, style="italic")
-    ax.text(5.85, 3.75, "rules, formulas", fontsize=8, style="italic")
-    ax.set_xlim(0, 12)
-    ax.set_ylim(-2.8, 9.9)
+        names = "   ".join(f"{p.removeprefix('jaxscale.')} ({count[p]})" for p in row)
+        ax.text(0.45, y + h - 0.2, names, fontsize=8.6, va="center", family="monospace",
+                weight="bold")
+        inside = "; ".join((f"{p.removeprefix('jaxscale.')}: " if len(row) > 1 else "")
+                           + " ".join(children[p]) for p in row if children.get(p))
+        ax.text(0.45, y + h - 0.36, "\n".join(textwrap.wrap(inside, 100)), fontsize=6.6,
+                va="top", family="monospace")
+    for a in range(len(rows) - 1):
+        n = sum(k for (i, j), k in edges.items() if i <= a < j)
+        x = 6.65
+        ax.add_patch(FancyArrowPatch((x, ys[a] + 0.05), (x, ys[a + 1] + h - 0.02),
+                                     arrowstyle="-|>", mutation_scale=10, lw=1, color="#333333"))
+        ax.text(x + 0.08, (ys[a] + ys[a + 1] + h) / 2, f"{n}", fontsize=7, va="center")
+    down = sum(n for (a, b), n in edges.items() if b > a)
+    up = sum(n for (a, b), n in edges.items() if b < a)
+    ax.text(0.3, y0 + h + 0.25, f"the layers (modules in each); an arrow: the imports that cross "
+            f"it ({down} point down, {up} up)", fontsize=9.5, weight="bold")
+    # the path of one option
+    x, y = 7.6, y0 + h
+    ax.text(x, y + 0.25, "--set plan.qat=fp8, file by file", fontsize=9.5, weight="bold")
+    step = (y0 + h - 0.2) / len(PATH)
+    for k, (where, what) in enumerate(PATH):
+        yy = y - (k + 1) * step + 0.25
+        ax.add_patch(FancyBboxPatch((x, yy), 5.2, step * 0.72, boxstyle="round,pad=0.03",
+                                    fc="#fdf2d0", ec="#444444", lw=1))
+        ax.text(x + 0.12, yy + step * 0.72 - 0.08, where, fontsize=8.5, weight="bold", va="top")
+        ax.text(x + 0.12, yy + step * 0.72 - 0.36, what, fontsize=7.8, va="top",
+                family="monospace")
+        if k:
+            ax.add_patch(FancyArrowPatch((x + 2.6, yy + step * 0.72 + step * 0.28),
+                                         (x + 2.6, yy + step * 0.72), arrowstyle="-|>",
+                                         mutation_scale=9, lw=1, color="#333333"))
+    ax.set_xlim(0, 13)
+    ax.set_ylim(-0.2, y0 + h + 0.6)
     ax.axis("off")
-    ax.set_title("how --set mesh.tp=2 reaches the compiled step and the planner", fontsize=11)
-    out = Path(__file__).resolve().parent / "img" / "architecture.png"
+    out = ROOT / "docs" / "img" / "architecture.png"
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")

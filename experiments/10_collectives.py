@@ -6,7 +6,8 @@ Topic 10: collectives. Three parts, all in one run:
    (gloo on CPU) of the same 8 ranks, alternating per size; busbw table and JAX/torch ratios.
 2. The hand-written all-reduces of `jaxscale.comm.algorithms` (ring, recursive halving-doubling,
    recursive doubling, two-level hierarchical on 2 simulated nodes of 4 devices) against psum,
-   beside the alpha-beta model calibrated on measured ring shifts.
+   beside the alpha-beta model (`jaxscale.comm.algorithm_cost`) calibrated on measured ring
+   shifts.
 3. From the model: a two-level hierarchy against a flat ring when the inter-node link is slower,
    nodes being groups of devices (2x4 = the 8 simulated devices, 4x8, 16x8), with per-device
    links of an H100 node: NVLink 450 GB/s and 5 us, one 400 Gb/s NIC per GPU, 50 GB/s and 15 us.
@@ -20,8 +21,8 @@ import argparse
 import sys
 
 import _common  # noqa: F401  first: 8 simulated devices before jax is imported
-from jaxscale.comm import bench
-from jaxscale.comm import algorithms as C
+from jaxscale.comm import algorithm_cost as C
+from jaxscale.comm import bench, bench_sweep
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 INTRA = C.Link(alpha=5e-6, bandwidth=450e9)   # NVLink, per device
@@ -120,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 KiB..1 MiB, 5 iterations")
     p.add_argument("--no-torch", action="store_true")
     args = p.parse_args(argv)
-    cfg = bench.SweepConfig(min_bytes=1 * KiB, max_bytes=(1 if args.quick else 16) * MiB,
-                            factor=4, iters=5 if args.quick else 10, warmup=2 if args.quick else 3,
-                            world=8, torch=not args.no_torch)
-    result = bench.run_sweep(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    cfg = bench_sweep.SweepConfig(min_bytes=1 * KiB, max_bytes=(1 if args.quick else 16) * MiB,
+                                  factor=4, iters=5 if args.quick else 10,
+                                  warmup=2 if args.quick else 3, world=8, torch=not args.no_torch)
+    result = bench_sweep.run_sweep(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(bench.format_report(result))
     print()
     print(ratio_table(result))

@@ -8,7 +8,7 @@ top-k, threshold, PowerSGD; error feedback where the method has it, top-k also w
 2. a small MLP regression (16 -> 64 -> 8, tanh) on a teacher, each worker its own input
    distribution (shifted mean), SGD on the compressed mean gradient; the loss is the global MSE.
 Per method: the per-device wire bytes of one gradient mean read from the compiled program's
-census beside `compression.wire_bytes` (they must be equal), its ratio to the fp32 all-reduce, and
+census beside `formulas.wire_bytes` (they must be equal), its ratio to the fp32 all-reduce, and
 the final losses; plus the formulas for one 4096 x 4096 matrix. Writes results.json and
 compression.png under --out. About 40 s on 2 cores.
 """
@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
 from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale.strategies.compression import formulas as F  # noqa: E402
 from jaxscale.strategies.compression import methods as C  # noqa: E402
 
 N = CM.DEVICES
@@ -119,13 +120,13 @@ def main() -> None:
             params = params_for(method, p, size)
             losses, census_bytes = train(mesh, method, params, ef, grad_fn, loss_fn, init,
                                          data, lr, args.steps)
-            formula = C.wire_bytes(method, shapes, N, **params)
-            fp32 = C.wire_bytes("fp32", shapes, N)
+            formula = F.wire_bytes(method, shapes, N, **params)
+            fp32 = F.wire_bytes("fp32", shapes, N)
             curves[(name, label)] = losses
             row[name] = {"final_loss": float(losses[-1]), "first_loss": float(losses[0]),
                          "census_wire_bytes": census_bytes, "formula_wire_bytes": formula,
                          "ratio_to_fp32": formula / fp32, "params": params,
-                         "payload_bytes": C.payload_bytes(method, shapes, N, **params)}
+                         "payload_bytes": F.payload_bytes(method, shapes, N, **params)}
             claims.check(f"{name} {label}: census wire bytes/step = wire_bytes()",
                          census_bytes, float(formula), abs(census_bytes - formula) < 0.5)
         results["runs"].append(row)
@@ -134,9 +135,9 @@ def main() -> None:
     for label, method, p, _ in RUNS:
         params = params_for(method, p, 4096 * 4096)
         r = next(x for x in results["runs"] if x["label"] == label)
-        r["matrix_4096"] = {"wire_bytes": C.wire_bytes(method, big, N, **params),
-                            "ratio_to_fp32": C.wire_bytes(method, big, N, **params) /
-                            C.wire_bytes("fp32", big, N)}
+        r["matrix_4096"] = {"wire_bytes": F.wire_bytes(method, big, N, **params),
+                            "ratio_to_fp32": F.wire_bytes(method, big, N, **params) /
+                            F.wire_bytes("fp32", big, N)}
 
     rows = [[r["label"], int(r["quadratic"]["census_wire_bytes"]),
              f"{r['quadratic']['ratio_to_fp32']:.4f}", f"{r['quadratic']['final_loss']:.3g}",

@@ -1,4 +1,4 @@
-"""Experiment 25: sparse training: sparse attention (FLOPs skipped by the tile schedule against
+"""Experiment 25: sparse training: sparse attention (FLOPs skipped by the tile map against
 mask density), pruning and distillation during training, sparse embedding-gradient exchange.
 
 Run (CPU; `--part attention` or `--part training` for one half; measured on a shared 2-core
@@ -9,7 +9,7 @@ machine: part 1 about 80 s of CPU, part 2 176 s):
 Part 1, sparse attention.
 For causal, sliding-window, local+global block-sparse and random block-sparse masks at T=8192
 (H=8, D=128), count the (query block, key block) tiles the Pallas kernel's forward visits
-(`TileSchedule`, block 128 x 64) against the dense count: kernel FLOPs = visited tiles x
+(`TileMap`, block 128 x 64) against the dense count: kernel FLOPs = visited tiles x
 4·bq·bk·D·H, the dense figure 4·T²·D·H (FlashAttention's FLOP formula). The ideal saving is
 1 - density (density = allowed (query, key) pairs / T²); the gap is the partial tiles on the mask's
 edges. The xla reference's `cost_analysis()` counts the dense FLOPs whatever the mask (it computes
@@ -46,10 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.kernels.blockwise import (BlockSparseMask, blockwise_attention,  # noqa: E402
-                                        tile_schedule)
+from jaxscale.kernels.blockwise import blockwise_attention  # noqa: E402
 from jaxscale.kernels.flash_attention import visited_tiles  # noqa: E402
 from jaxscale.kernels.reference import reference_attention  # noqa: E402
+from jaxscale.kernels.tiles import BlockSparseMask, tile_map  # noqa: E402
 
 
 def masks(T: int, blk: int):
@@ -154,7 +154,7 @@ def attention_part(args):
                 bm_t = BlockSparseMask.from_array(a, 128, 128)
             row["time_vs_dense"] = time_vs_dense(Tt, causal, window, bm_t)
             row["time_seq_density"] = density(Tt, causal, window, bm_t)
-            sch = tile_schedule(Tt, Tt, 128, 128, causal=causal, window=window, block_mask=bm_t)
+            sch = tile_map(Tt, Tt, 128, 128, causal=causal, window=window, block_mask=bm_t)
             row["time_seq_tiles_ratio"] = sch.visited / sch.dense   # blockwise's own tiles
         rows.append(row)
 
@@ -231,11 +231,12 @@ def _save_teacher(s, state, out) -> str:
     from pathlib import Path
 
     from jaxscale.train import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint_meta as ckpt_meta
     from jaxscale import config as config_lib
     d = Path(out) / "teacher"
     shutil.rmtree(d, ignore_errors=True)
     ck = ckpt_lib.Checkpointer(d / "checkpoints", config_lib.CheckpointConfig(async_save=False))
-    ck.save(STEPS, state, ckpt_lib.make_meta(s.cfg, state, STEPS))
+    ck.save(STEPS, state, ckpt_meta.make_meta(s.cfg, state, STEPS))
     ck.wait()
     ck.close()
     config_lib.save(s.cfg, d / "config.json")

@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxscale.train import checkpoint as ckpt_lib  # noqa: E402
+from jaxscale.train import checkpoint_meta as ckpt_meta  # noqa: E402
 from jaxscale import config as config_lib  # noqa: E402
 from jaxscale.train import setup as setup_lib  # noqa: E402
 
@@ -78,7 +79,7 @@ def time_saves(cfg, state, root: Path, repeats: int) -> dict:
             cfg.ckpt, async_save=mode == "async", keep=1))
         blocking, commit = [], []
         for step in range(repeats + 1):
-            meta = ckpt_lib.make_meta(cfg, state, step)
+            meta = ckpt_meta.make_meta(cfg, state, step)
             t0 = time.perf_counter()
             ck.save(step, state, meta)
             b = ck.last_blocking_s
@@ -139,7 +140,7 @@ def part2(out: Path, steps: int = 60, kill_after: int = 30) -> dict:
     p.send_signal(signal.SIGKILL)
     p.wait()
     killed_at = max(r["step"] for r in rows_of(run))
-    listing = ckpt_lib.scan(run / "checkpoints")
+    listing = ckpt_meta.scan(run / "checkpoints")
     r = subprocess.run(train_cmd(run, steps, "--resume"), env=env, capture_output=True,
                        text=True, timeout=300)
     if r.returncode:

@@ -14,10 +14,11 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES, IMPLEMENTATIONS, attention, resolve
-from jaxscale.kernels.blockwise import (BlockSparseMask, blockwise_attention, finalize,
-                                        init_carry, online_softmax_step, tile_mask, tile_schedule)
+from jaxscale.kernels.blockwise import (blockwise_attention, finalize, init_carry,
+                                        online_softmax_step)
 from jaxscale.kernels.flash_attention import BlockSizes, flash_attention, visited_tiles
 from jaxscale.kernels.reference import reference_attention
+from jaxscale.kernels.tiles import BlockSparseMask, tile_map, tile_mask
 
 SMALL_BLOCKS = BlockSizes(16, 32, 16, 32, 32, 16)   # several tiles even for short sequences
 
@@ -126,19 +127,19 @@ def test_fully_masked_rows_give_zeros_not_nan(impl):
             assert rel_err(g, e) < 1e-5
 
 
-def test_tile_schedule_skips_masked_tiles():
-    causal = tile_schedule(256, 256, 32, 32, causal=True)
+def test_tile_map_skips_masked_tiles():
+    causal = tile_map(256, 256, 32, 32, causal=True)
     assert (causal.visited, causal.full, causal.dense) == (36, 28, 64)   # 8 diagonal tiles masked
-    win = tile_schedule(256, 256, 32, 32, causal=True, window=32)
+    win = tile_map(256, 256, 32, 32, causal=True, window=32)
     assert win.visited == 15 and win.full == 0
     bm = BlockSparseMask.local(4, 4, width=1, block_q=64, block_k=64)     # diagonal only
-    sparse = tile_schedule(256, 256, 32, 32, causal=False, block_mask=bm)
+    sparse = tile_map(256, 256, 32, 32, causal=False, block_mask=bm)
     assert sparse.visited == 16 == sparse.full
     assert sorted(sparse.kv_index[5, :2].tolist()) == [4, 5]
     assert visited_tiles(4096, 4096, causal=True)["visited"] < 0.52 * (32 * 64)
     with pytest.raises(ValueError, match="must divide"):
-        tile_schedule(256, 256, 32, 32, causal=False,
-                      block_mask=BlockSparseMask.local(4, 4, 1, 48, 48))
+        tile_map(256, 256, 32, 32, causal=False,
+                 block_mask=BlockSparseMask.local(4, 4, 1, 48, 48))
 
 
 @given(T=st.integers(1, 90), S=st.integers(1, 90), bq=st.sampled_from([8, 16, 32]),
@@ -147,14 +148,14 @@ def test_tile_schedule_skips_masked_tiles():
 @example(T=64, S=64, bq=16, bk=16, causal=True, window=2, q_offset=0, sparse_seed=0)
 @example(T=50, S=70, bq=16, bk=32, causal=False, window=3, q_offset=5, sparse_seed=0)
 @settings(max_examples=150, deadline=None)
-def test_tile_schedule_equals_brute_force(T, S, bq, bk, causal, window, q_offset, sparse_seed):
+def test_tile_map_equals_brute_force(T, S, bq, bk, causal, window, q_offset, sparse_seed):
     """Visited tiles are exactly those holding an allowed pair; full tiles need no element mask."""
     bm = None
     if sparse_seed:
         rng = np.random.default_rng(sparse_seed)
         bm = BlockSparseMask.from_array(rng.random((-(-T // 32), -(-S // 32))) < 0.6, 32, 32)
-    sch = tile_schedule(T, S, bq, bk, causal=causal, window=window, q_offset=q_offset,
-                        block_mask=bm)
+    sch = tile_map(T, S, bq, bk, causal=causal, window=window, q_offset=q_offset,
+                   block_mask=bm)
     nq, nk = -(-T // bq), -(-S // bk)
     dense = np.zeros((nq * bq, nk * bk), bool)
     d = np.arange(T)[:, None] + q_offset - np.arange(S)[None, :]   # reference_attention's rule

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale.cli import main
 from jaxscale.data import Batches, load_corpus
@@ -91,7 +92,7 @@ def test_kill9_during_async_save_then_resume_equals_uninterrupted(tmp_path, env,
 
     def save_in_flight():
         names = os.listdir(ck) if ck.is_dir() else []
-        return [n for n in names if ckpt_lib.TMP_MARK in n and int(n.split(".")[0]) >= 6]
+        return [n for n in names if ckpt_meta.TMP_MARK in n and int(n.split(".")[0]) >= 6]
     while True:
         inflight = wait_for(save_in_flight, p, poll=0.001)
         os.kill(p.pid, signal.SIGSTOP)                 # freeze it, then check the save is
@@ -101,7 +102,7 @@ def test_kill9_during_async_save_then_resume_equals_uninterrupted(tmp_path, env,
     p.kill()                                           # SIGKILL while the write is in flight
     assert p.wait(30) == -signal.SIGKILL
     step = int(inflight[0].split(".")[0])
-    listing = ckpt_lib.scan(ck)
+    listing = ckpt_meta.scan(ck)
     assert step not in listing.complete and listing.partial, (step, listing)
     prev = listing.latest
     assert prev is not None and prev < step
@@ -112,7 +113,7 @@ def test_kill9_during_async_save_then_resume_equals_uninterrupted(tmp_path, env,
     rows = rows_of(out)
     assert [x["step"] for x in rows] == list(range(1, REF_STEPS + 1))   # each step exactly once
     assert_rows_equal(rows, ref, range(1, REF_STEPS + 1))               # bitwise, both halves
-    assert not ckpt_lib.scan(ck).partial                                # leftovers cleaned up
+    assert not ckpt_meta.scan(ck).partial                                # leftovers cleaned up
 
 
 def test_sigterm_saves_the_current_step_exits_0_and_resume_continues(tmp_path, env, reference):
@@ -125,7 +126,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_resume_continues(tmp_path, e
     err = (tmp_path / "term.err").read_text()
     n = int(re.search(r"stopped by SIGTERM after step (\d+) of 400", err).group(1))
     assert "--resume" in err and n < REF_STEPS - 3
-    assert ckpt_lib.scan(ck).latest == n and not ckpt_lib.scan(ck).partial
+    assert ckpt_meta.scan(ck).latest == n and not ckpt_meta.scan(ck).partial
     assert rows_of(out)[-1]["step"] == n
 
     r = run(train_argv(out, n + 3, "--resume"), env)
@@ -149,7 +150,7 @@ def test_second_signal_exits_at_once_and_keeps_finalized_checkpoints(tmp_path, e
                                      [s for s in SMALL if s != "--set"])
     setup = setup_lib.build(cfg)
     ckpt = ckpt_lib.Checkpointer(ck, cfg.ckpt, read_only=True)
-    for step in ckpt_lib.scan(ck).complete:
+    for step in ckpt_meta.scan(ck).complete:
         assert int(ckpt.restore(step, setup.abstract_state()).step) == step
 
 
@@ -185,7 +186,7 @@ def test_nonfinite_skip_counts_and_carries_on(tmp_path, env, reference):
     assert rows[0]["loss"] == ref[0]["loss"] and rows[2]["loss"] != ref[2]["loss"]
     assert "update skipped" in r.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 1
-    assert ckpt_lib.scan(tmp_path / "checkpoints").complete == [2, 4]
+    assert ckpt_meta.scan(tmp_path / "checkpoints").complete == [2, 4]
 
 
 def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, env):
@@ -193,7 +194,7 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path, env):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "non-finite loss nan" in r.stderr and "train.nonfinite=stop" in r.stderr
     assert "the last good checkpoint is step 2" in r.stderr and "--resume" in r.stderr
-    listing = ckpt_lib.scan(tmp_path / "checkpoints")
+    listing = ckpt_meta.scan(tmp_path / "checkpoints")
     assert listing.complete == [1, 2] and not listing.partial
     last = rows_of(tmp_path)[-1]
     assert last["step"] == 3 and last["skipped"] == 1
@@ -232,7 +233,7 @@ def test_elastic_restore_8_to_4_to_1_devices(tmp_path, reference):
     assert state4.params["embed"].sharding.mesh.devices.size == 4
     assert jax.tree.all(jax.tree.map(np.array_equal, _host(state4.params), params8))
     ck4 = ckpt_lib.Checkpointer(tmp_path / "ck4", s4.cfg.ckpt)
-    ck4.save(30, state4, ckpt_lib.make_meta(s4.cfg, state4, 30))
+    ck4.save(30, state4, ckpt_meta.make_meta(s4.cfg, state4, 30))
     ck4.wait()
     ck4.close()
     np.testing.assert_allclose(_next_loss(s4, state4, 30), ref[30]["loss"], rtol=2e-6)
@@ -259,7 +260,7 @@ def _restore(directory, setup, step):
     """Restore `step` onto `setup`'s mesh the way `--resume` does: metadata, checks, arrays."""
     ck = ckpt_lib.Checkpointer(directory, setup.cfg.ckpt, read_only=True)
     meta = ck.read_meta(step)
-    notes = ckpt_lib.check_compatible(meta, setup.cfg, setup.abstract_state(), str(directory))
+    notes = ckpt_meta.check_compatible(meta, setup.cfg, setup.abstract_state(), str(directory))
     # the checksums written on one mesh verify the arrays restored onto another
     return ck.restore(step, setup.abstract_state(), meta["checksums"]), meta, notes
 
@@ -292,9 +293,9 @@ def test_missing_empty_and_partial_directories(tmp_path, capsys, reference):
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert "is empty" in _resume_error(tmp_path / "empty", capsys, "--resume")
     shutil.copytree(reference[0] / "checkpoints" / "30",
-                    tmp_path / "part" / "checkpoints" / f"30{ckpt_lib.TMP_MARK}")
+                    tmp_path / "part" / "checkpoints" / f"30{ckpt_meta.TMP_MARK}")
     err = _resume_error(tmp_path / "part", capsys, "--resume")
-    assert "only partially written" in err and f"30{ckpt_lib.TMP_MARK}" in err
+    assert "only partially written" in err and f"30{ckpt_meta.TMP_MARK}" in err
 
 
 def _largest_array_file(run: Path, step: int) -> Path:

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxscale import cost as cost_lib
+from jaxscale.comm import algorithm_cost as CM
 from jaxscale.comm import algorithms as C
-from jaxscale.comm import bench
+from jaxscale.comm import bench, bench_sweep
 from jaxscale.mesh import MeshConfig, make_mesh
 
 
@@ -144,65 +146,65 @@ def test_busbw_factors_match_nccl_tests():
     n = 8
     expect = dict(all_reduce=2 * 7 / 8, all_gather=7 / 8, reduce_scatter=7 / 8,
                   all_to_all=7 / 8, broadcast=1.0, permute=1.0)
-    assert {k: C.busbw_factor(k, n) for k in C.KINDS} == pytest.approx(expect)
-    assert C.busbw_factor("all_reduce", 1) == 0
+    assert {k: cost_lib.busbw_factor(k, n) for k in CM.KINDS} == pytest.approx(expect)
+    assert cost_lib.busbw_factor("all_reduce", 1) == 0
     with pytest.raises(ValueError, match="unknown collective kind 'allreduce'"):
-        C.busbw_factor("allreduce", 8)
+        cost_lib.busbw_factor("allreduce", 8)
 
 
 def test_cost_model_steps_and_bytes():
     S, n = 1 << 20, 8
-    ring = C.cost("ring", "all_reduce", S, n)
+    ring = CM.cost("ring", "all_reduce", S, n)
     assert (ring.steps, ring.wire_bytes) == (14, pytest.approx(2 * 7 / 8 * S))
-    hd = C.cost("halving_doubling", "all_reduce", S, n)
+    hd = CM.cost("halving_doubling", "all_reduce", S, n)
     assert (hd.steps, hd.wire_bytes) == (6, pytest.approx(ring.wire_bytes))
-    rd = C.cost("recursive_doubling", "all_reduce", S, n)
+    rd = CM.cost("recursive_doubling", "all_reduce", S, n)
     assert (rd.steps, rd.wire_bytes) == (3, 3 * S)
-    hi = C.cost("hierarchical", "all_reduce", S, n, n_inner=4)
+    hi = CM.cost("hierarchical", "all_reduce", S, n, n_inner=4)
     assert hi.steps == 2 * 3 + 2 * 1 and hi.wire_bytes == pytest.approx(ring.wire_bytes)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        c = C.cost("ring", kind, S, n)
+        c = CM.cost("ring", kind, S, n)
         assert (c.steps, c.wire_bytes) == (7, pytest.approx(7 / 8 * S))
-    assert C.wire_bytes("ring", "broadcast", S, n) == S
+    assert CM.wire_bytes("ring", "broadcast", S, n) == S
     # t = steps * alpha + S * factor / bandwidth
-    assert C.predict_time("ring", "all_reduce", S, n, 1e-5, 1e9) == pytest.approx(
+    assert CM.predict_time("ring", "all_reduce", S, n, 1e-5, 1e9) == pytest.approx(
         14 * 1e-5 + S * 2 * 7 / 8 / 1e9)
-    assert C.predict_time("ring", "all_reduce", S, n, 0, 1e9, gamma=1e-9) == pytest.approx(
+    assert CM.predict_time("ring", "all_reduce", S, n, 0, 1e9, gamma=1e-9) == pytest.approx(
         S * 2 * 7 / 8 / 1e9 + S * 7 / 8 * 1e-9)
     with pytest.raises(ValueError, match="power-of-two"):
-        C.cost("halving_doubling", "all_reduce", S, 6)
+        CM.cost("halving_doubling", "all_reduce", S, 6)
     with pytest.raises(ValueError, match="has no all_to_all"):
-        C.cost("recursive_doubling", "all_to_all", S, 8)
+        CM.cost("recursive_doubling", "all_to_all", S, 8)
     with pytest.raises(ValueError, match="unknown algorithm"):
-        C.cost("butterfly", "all_reduce", S, 8)
+        CM.cost("butterfly", "all_reduce", S, 8)
     with pytest.raises(ValueError, match="n_inner dividing"):
-        C.cost("hierarchical", "all_reduce", S, 8, n_inner=3)
+        CM.cost("hierarchical", "all_reduce", S, 8, n_inner=3)
 
 
 def test_two_level_beats_flat_ring_when_inter_node_is_slower():
     S, a, b = 256 << 20, 8, 4
-    intra = C.Link(3e-6, 450e9)
+    intra = CM.Link(3e-6, 450e9)
     for inter_bw in (450e9, 100e9, 50e9, 25e9):
-        inter = C.Link(10e-6, inter_bw)
-        hier, flat = C.hierarchical_time(S, a, b, intra, inter), C.flat_ring_time(S, a, b, intra,
-                                                                                  inter)
+        inter = CM.Link(10e-6, inter_bw)
+        hier = CM.hierarchical_time(S, a, b, intra, inter)
+        flat = CM.flat_ring_time(S, a, b, intra, inter)
         assert hier < flat
     # the gap grows as the inter-node link slows: flat sends all 2(N-1)/N S over it, the
     # hierarchy only 2(b-1)/(ab) S
-    slow = C.Link(10e-6, 25e9)
-    ratio = C.flat_ring_time(S, a, b, intra, slow) / C.hierarchical_time(S, a, b, intra, slow)
+    slow = CM.Link(10e-6, 25e9)
+    ratio = CM.flat_ring_time(S, a, b, intra, slow) / CM.hierarchical_time(S, a, b, intra, slow)
     assert ratio > 5
     # one node: both are the same ring
-    assert C.flat_ring_time(S, 8, 1, intra, slow) == pytest.approx(
-        C.predict_time("ring", "all_reduce", S, 8, intra.alpha, intra.bandwidth))
+    assert CM.flat_ring_time(S, 8, 1, intra, slow) == pytest.approx(
+        CM.predict_time("ring", "all_reduce", S, 8, intra.alpha, intra.bandwidth))
 
 
 def test_fit_alpha_beta_recovers_a_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
-    alpha, bw = C.fit_alpha_beta(sizes, [2e-5 + s / 3e9 for s in sizes])
+    alpha, bw = CM.fit_alpha_beta(sizes, [2e-5 + s / 3e9 for s in sizes])
     assert alpha == pytest.approx(2e-5) and bw == pytest.approx(3e9)
     with pytest.raises(ValueError, match="do not grow"):
-        C.fit_alpha_beta(sizes, [1e-3, 1e-3, 1e-3, 0.9e-3])
+        CM.fit_alpha_beta(sizes, [1e-3, 1e-3, 1e-3, 0.9e-3])
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,15 +216,15 @@ FACTORS_2 = dict(all_reduce=1.0, all_gather=0.5, reduce_scatter=0.5, all_to_all=
 
 def test_tiny_sweep_accounting(tmp_path):
     pytest.importorskip("torch")
-    cfg = bench.SweepConfig(min_bytes=1024, max_bytes=4096, factor=2, iters=2, warmup=1,
-                            world=2, timeout=120)
-    res = bench.run_sweep(cfg, log=lambda s: None)
+    cfg = bench_sweep.SweepConfig(min_bytes=1024, max_bytes=4096, factor=2, iters=2, warmup=1,
+                                  world=2, timeout=120)
+    res = bench_sweep.run_sweep(cfg, log=lambda s: None)
     assert res["torch_error"] is None, res["torch_error"]
     assert res["meta"]["n"] == 2 and res["meta"]["torch_backend"] == "gloo"
     rows = res["rows"]
     for fw in ("jax", "torch"):
         got = {(r["kind"], r["nbytes"]) for r in rows if r["framework"] == fw}
-        assert got == {(k, s) for k in bench.KINDS for s in (1024, 2048, 4096)}
+        assert got == {(k, s) for k in bench_sweep.KINDS for s in (1024, 2048, 4096)}
     for r in rows:
         assert r["n"] == 2 and len(r["times"]) == 2
         assert r["time_s"] == pytest.approx(float(np.median(r["times"])))
@@ -230,7 +232,7 @@ def test_tiny_sweep_accounting(tmp_path):
         assert r["factor"] == FACTORS_2[r["kind"]]
         assert r["busbw"] == pytest.approx(r["algbw"] * FACTORS_2[r["kind"]])
     ratios = bench.ratios(res)
-    assert len(ratios) == len(bench.KINDS) * 3
+    assert len(ratios) == len(bench_sweep.KINDS) * 3
     by = {(r["framework"], r["kind"], r["nbytes"]): r for r in rows}
     for q in ratios:
         j, t = by["jax", q["kind"], q["nbytes"]], by["torch", q["kind"], q["nbytes"]]
@@ -266,7 +268,7 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "unknown collective kind(s) ['gossip']" in capsys.readouterr().err
     assert bench.main(["--world", "64", "--no-torch", "--max-bytes", "1K"]) == 2
     assert "exceeds the 8 JAX devices" in capsys.readouterr().err
-    assert bench.sizes(1024, 16384, 4) == [1024, 4096, 16384]
+    assert bench_sweep.sizes(1024, 16384, 4) == [1024, 4096, 16384]
     from jaxscale.hardware import simulate_cpu_devices
     assert simulate_cpu_devices(8) is False  # jax is imported already: leave flags alone
     assert math.isclose(bench.busbw_factor("all_gather", 4), 0.75)

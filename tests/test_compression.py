@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxscale.analysis import inspect
+from jaxscale.strategies.compression import formulas as F
 from jaxscale.strategies.compression import methods as C
 from jaxscale.strategies.compression import powersgd
 
@@ -62,7 +63,7 @@ def test_cast_mean_within_error(method, mesh2d):
         assert rel < 1e-2
         assert np.all(err <= 2 * 2.0 ** -8 * amax * 1.01 + 1e-12)
         return
-    lp = C.padded_size(x.shape[1], N, block)
+    lp = F.padded_size(x.shape[1], N, block)
     block_max = np.pad(amax, (0, lp - amax.size)).reshape(-1, block).max(1)   # per block
     bound = np.repeat(block_max, block)[:amax.size]
     if method == "int8":           # two roundings of half a step, step = block max / 127
@@ -101,7 +102,7 @@ def test_sign_state_and_topk_value_dtype(mesh1d):
     g = {"a": rand((N, 33, 8), 3)}
     st = C.stack(C.init_state("sign", g["a"][0], N, block=64), N)
     mean, st2 = C.per_device_mean("sign", mesh1d, "dp", block=64)(g["a"], st)
-    assert mean.shape == (33, 8) and st2[1].shape == (N, C.padded_size(264, N, 64) // N)
+    assert mean.shape == (33, 8) and st2[1].shape == (N, F.padded_size(264, N, 64) // N)
     # the residual is what was not sent: g - decode(encode(g)) is nonzero and smaller than g
     assert 0 < float(jnp.abs(st2[0]).mean()) < float(jnp.abs(g["a"]).mean())
     res = C.stack(C.init_state("topk", {"a": g["a"][0]}, N), N)
@@ -197,37 +198,37 @@ def test_census_equals_wire_bytes(method, params, mesh2d):
     st = None if st is None else C.stack(st, N)
     fn = C.per_device_mean(method, mesh2d, axes, **params)
     rows = inspect.census(fn.lower(g, st).compile().as_text(), mesh2d)
-    want = C.collectives(method, shapes, N, axes=axes, **params)
+    want = F.collectives(method, shapes, N, axes=axes, **params)
     by_kind = lambda rs, get: {k: sum(get(r) for r in rs if (r["kind"] if isinstance(r, dict)
                                                             else r.kind) == k)
                                for k in {(r["kind"] if isinstance(r, dict) else r.kind)
                                          for r in rs}}
     assert by_kind(rows, lambda r: r["bytes"]) == by_kind(want, lambda c: c.bytes)
     assert all(r["axes"] == list(axes) for r in rows)
-    assert sum(r["wire_bytes"] for r in rows) == C.wire_bytes(method, shapes, N, axes=axes,
+    assert sum(r["wire_bytes"] for r in rows) == F.wire_bytes(method, shapes, N, axes=axes,
                                                               **params)
-    L, fp32 = 64 * 96 + 1024, C.wire_bytes("fp32", shapes, N)
+    L, fp32 = 64 * 96 + 1024, F.wire_bytes("fp32", shapes, N)
     assert fp32 == 2 * (N - 1) / N * 4 * L
     if method == "int8" and params["block"] == 128:   # 1/4 of fp32 + one fp32 scale per 128
-        assert C.wire_bytes(method, shapes, N, **params) == fp32 / 4 * (1 + 4 / 128)
-        assert C.payload_bytes(method, shapes, N, **params) == L + 4 * L // 128
+        assert F.wire_bytes(method, shapes, N, **params) == fp32 / 4 * (1 + 4 / 128)
+        assert F.payload_bytes(method, shapes, N, **params) == L + 4 * L // 128
     if method in ("topk", "threshold"):    # k x (int32 index + fp32 value) per device
-        assert C.payload_bytes(method, shapes, N, **params) == 100 * (4 + 4)
+        assert F.payload_bytes(method, shapes, N, **params) == 100 * (4 + 4)
         assert sum(r["bytes"] for r in rows) == N * 100 * 8
     if method == "powersgd":   # (n + m) r 4, the vector uncompressed
-        assert C.payload_bytes(method, shapes, N, **params) == (64 + 96) * 4 * 4 + 1024 * 4
+        assert F.payload_bytes(method, shapes, N, **params) == (64 + 96) * 4 * 4 + 1024 * 4
 
 
 def test_wire_bytes_formulas():
     n, L = 8, 1 << 20
-    fp32 = C.wire_bytes("fp32", (L,), n)
-    assert C.wire_bytes("bf16", (L,), n) == fp32 / 2
-    assert C.wire_bytes("sign", (L,), n, block=256) == fp32 * (1 / 32 + 1 / 256)
-    assert C.wire_bytes("topk", (L,), n, k=1000, value_dtype=jnp.bfloat16) == 7 * 1000 * 6
-    assert C.payload_bytes("powersgd", (1024, 512), n, rank=8) == (1024 + 512) * 8 * 4
+    fp32 = F.wire_bytes("fp32", (L,), n)
+    assert F.wire_bytes("bf16", (L,), n) == fp32 / 2
+    assert F.wire_bytes("sign", (L,), n, block=256) == fp32 * (1 / 32 + 1 / 256)
+    assert F.wire_bytes("topk", (L,), n, k=1000, value_dtype=jnp.bfloat16) == 7 * 1000 * 6
+    assert F.payload_bytes("powersgd", (1024, 512), n, rank=8) == (1024 + 512) * 8 * 4
     # padding: 10 elements, 8 devices x block 4 -> 32 elements and 8 scales on the wire
-    assert C.payload_bytes("int8", (10,), n, block=4) == 32 + 8 * 4
-    assert C.wire_bytes("powersgd", [(4, 64, 32)], n, rank=2) == 2 * 7 / 8 * 4 * (64 + 32) * 2 * 4
+    assert F.payload_bytes("int8", (10,), n, block=4) == 32 + 8 * 4
+    assert F.wire_bytes("powersgd", [(4, 64, 32)], n, rank=2) == 2 * 7 / 8 * 4 * (64 + 32) * 2 * 4
 
 
 # ------------------------------------------------------------------------------------------
@@ -238,22 +239,22 @@ def test_bad_inputs(mesh1d):
     with pytest.raises(ValueError, match="data axes"):
         C.per_device_mean("int8", mesh1d, ())
     with pytest.raises(ValueError, match="data axes"):
-        C.collectives("int8", (10,), N, axes=None)
+        F.collectives("int8", (10,), N, axes=None)
     for k in (0, 61):
         with pytest.raises(ValueError, match=r"k must be an int in \[1, 60\]"):
             C.per_device_mean("topk", mesh1d, "dp", k=k)(g, None)
         with pytest.raises(ValueError, match="k must be"):
-            C.wire_bytes("topk", (10, 6), N, k=k)
+            F.wire_bytes("topk", (10, 6), N, k=k)
     with pytest.raises(ValueError, match=r"rank=7 exceeds the matrix dimension.*<= 5"):
         C.init_state("powersgd", g[0], N, rank=7)
     with pytest.raises(ValueError, match="exceeds the matrix dimension"):
-        C.wire_bytes("powersgd", (10, 6), N, rank=7)
+        F.wire_bytes("powersgd", (10, 6), N, rank=7)
     with pytest.raises(ValueError, match="rank must be an int >= 1"):
         powersgd.init(g[0], 0, key=jax.random.key(0))
     with pytest.raises(ValueError, match="does not divide.*pad=True"):
         C.per_device_mean("int8", mesh1d, "dp", block=7, pad=False)(g, None)
     with pytest.raises(ValueError, match="does not divide"):
-        C.wire_bytes("int8", (10, 6), N, block=7, pad=False)
+        F.wire_bytes("int8", (10, 6), N, block=7, pad=False)
     with pytest.raises(ValueError, match="multiple of 8"):
         C.init_state("sign", g[0], N, block=12)
     with pytest.raises(ValueError, match="block must be a positive int"):
@@ -261,7 +262,7 @@ def test_bad_inputs(mesh1d):
     with pytest.raises(ValueError, match="dtype must be one of"):
         C.allreduce_cast(g[0], "dp", jnp.float16)
     with pytest.raises(ValueError, match="unknown compression method"):
-        C.wire_bytes("gzip", (10,), N)
+        F.wire_bytes("gzip", (10,), N)
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         C.allreduce_cast(g[0], "dp", jnp.int8)
     with pytest.raises(ValueError, match="threshold must be a number"):

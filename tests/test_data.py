@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from jaxscale.config import DataConfig
-from jaxscale.data import Batches, ByteTokenizer, load_corpus
+from jaxscale.data import Batches, load_corpus
+from jaxscale.data.tokenizer import ByteTokenizer
 
 
 def test_tokenizer_round_trip():

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from jaxscale.kernels import flash_attention as fa
-from jaxscale.kernels.blockwise import BlockSparseMask, tile_schedule
+from jaxscale.kernels import flash_forward
+from jaxscale.kernels.tiles import BlockSparseMask, tile_map
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -117,13 +118,14 @@ def test_missing_table_named_by_the_environment_is_an_error(monkeypatch, tmp_pat
     (128, 128, 32, 32, True, None, 0), (100, 77, 16, 32, True, 20, 5),
     (64, 96, 32, 16, False, 9, 0), (50, 50, 16, 16, False, None, 0),
     (37, 70, 32, 16, True, None, 40)])
-def test_loop_tables_visit_exactly_the_scheduled_tiles(T, S, bq, bk, causal, window, q_offset):
+def test_loop_tables_visit_exactly_the_mapped_tiles(T, S, bq, bk, causal, window, q_offset):
     """The contiguous (first, first full, end full, end) tables give each row exactly the tiles
-    (and full tiles) of the schedule, in both orientations (forward/dQ rows, dK/dV columns)."""
-    sch = tile_schedule(T, S, bq, bk, causal=causal, window=window, q_offset=q_offset)
+    (and full tiles) of the tile map, in both orientations (forward/dQ rows, dK/dV columns)."""
+    sch = tile_map(T, S, bq, bk, causal=causal, window=window, q_offset=q_offset)
     for transpose, count, full in ((False, sch.kv_count, sch.kv_full),
                                    (True, sch.q_count, sch.q_full)):
-        trips, n_full = fa._trips(fa._row_tables(sch, transpose, contiguous=True))
+        tables = flash_forward._row_tables(sch, transpose, contiguous=True)
+        trips, n_full = flash_forward._trips(tables)
         np.testing.assert_array_equal(trips, count)
         np.testing.assert_array_equal(n_full, full)
 
@@ -138,7 +140,7 @@ def test_backward_kernels_skip_causally_masked_tiles_in_their_loop_tables():
     assert got["dkdv"]["programs_per_head"] == 32 and got["dq"]["programs_per_head"] == 32
     window = fa.visited_tiles(4096, 4096, causal=True, window=256, block_sizes=blocks)
     for kernel, (bq, bk) in (("dq", (128, 64)), ("dkdv", (64, 128))):
-        sch = tile_schedule(4096, 4096, bq, bk, causal=True, window=256)
+        sch = tile_map(4096, 4096, bq, bk, causal=True, window=256)
         assert window[kernel]["visited"] == sch.visited < 0.12 * sch.dense
     bm = BlockSparseMask.local(8, 8, width=1, block_q=512, block_k=512)     # index-list tables
     sparse = fa.visited_tiles(4096, 4096, causal=False, block_mask=bm, block_sizes=blocks)

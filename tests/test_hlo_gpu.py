@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxscale.analysis import inspect, hlo
+from jaxscale.analysis import inspect, hlo, hlo_flops
 from jaxscale.models.llama import ModelConfig
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "h200_train_step_0p57b.hlo.txt.gz"
@@ -43,7 +43,7 @@ def _formula() -> float:
 def test_h200_matmul_flops_match_the_model_formula():
     mod = _module()
     assert mod.runs["region_1.22.clone.clone"] == L and mod.runs["region_18.66.clone.clone"] == L
-    total = hlo.dot_flops(mod)
+    total = hlo_flops.dot_flops(mod)
     assert abs(total / _formula() - 1) < 0.02
     # The remaining +1.36% is real work the formula leaves out: cuDNN's backward recomputes the
     # scores Q K^T (FlashAttention-2: 5 matmuls backward against the formula's 4), one causal
@@ -54,11 +54,11 @@ def test_h200_matmul_flops_match_the_model_formula():
 
 
 def test_h200_breakdown_by_source():
-    got = hlo.matmul_flops(_module())
-    assert set(got) == set(hlo.MATMUL_SOURCES)
+    got = hlo_flops.matmul_flops(_module())
+    assert set(got) == set(hlo_flops.MATMUL_SOURCES)
     assert got["cublas"] > 0 and got["triton_gemm"] > 0 and got["cudnn_attention"] > 0
     assert got["dot"] == 0 and got["cudnn_gemm"] == 0      # every dot here is in a gemm fusion
-    assert sum(got.values()) == hlo.dot_flops(_module())
+    assert sum(got.values()) == hlo_flops.dot_flops(_module())
     # attention: forward 2 + backward 5 causal (halved) matmuls of B x Hq x S x S x D per layer,
     # Hq = 16 query heads although K/V have 8 (GQA)
     assert got["cudnn_attention"] == pytest.approx(L * 7 * 2 * B * H * S * S * D / 2, rel=1e-12)
@@ -70,9 +70,9 @@ def test_h200_breakdown_by_source():
 
 def test_h200_each_matmul_counted_once():
     mod = _module()
-    found = [(src, ins.name) for src, ins, _ in hlo.matmuls(mod)]
+    found = [(src, ins.name) for src, ins, _ in hlo_flops.matmuls(mod)]
     assert len(found) == len(set(found))
-    by_src = {s: sum(1 for x, _ in found if x == s) for s in hlo.MATMUL_SOURCES}
+    by_src = {s: sum(1 for x, _ in found if x == s) for s in hlo_flops.MATMUL_SOURCES}
     # 18 cuBLAS calls, 4 dots in 4 gemm fusions, 1 cuDNN forward + 1 backward
     assert by_src == {"dot": 0, "triton_gemm": 4, "cudnn_gemm": 0, "cublas": 18,
                       "cudnn_attention": 2}
@@ -84,8 +84,8 @@ def test_h200_cudnn_shapes_agree_with_the_score_tensor():
     """The scores B x Hq x Sq x Sk that cuDNN reports equal those read from Q/K/V and the bmm
     dimension numbers; a non-causal mask doubles the FLOPs."""
     mod = _module()
-    for _, ins, f in (m for m in hlo.matmuls(mod) if m[0] == "cudnn_attention"):
-        cfg = hlo.backend_config(ins)["cudnn_fmha_backend_config"]
+    for _, ins, f in (m for m in hlo_flops.matmuls(mod) if m[0] == "cudnn_attention"):
+        cfg = hlo_flops.backend_config(ins)["cudnn_fmha_backend_config"]
         assert [int(x) for x in cfg["intermediate_tensor_shape"]["dimensions"]] == [B, H, S, S]
         assert cfg["mask_type"] == "CAUSAL"
         n = 5 if "Backward" in ins.rest else 2
@@ -96,7 +96,7 @@ def test_h200_cudnn_shapes_agree_with_the_score_tensor():
                      lambda t: re.sub(r'"bmm\w*_dot_dimension_numbers"', '"x"', t)):
             text = _text().replace(line, edit(line))
             mod2 = hlo.Module(text)
-            f2 = [g for _, i, g in hlo.matmuls(mod2) if i.name == ins.name][0]
+            f2 = [g for _, i, g in hlo_flops.matmuls(mod2) if i.name == ins.name][0]
             assert f2 == (2 * f if "NO_MASK" in edit(line) else f)
 
 
@@ -110,8 +110,9 @@ ENTRY %main (a: f32[4,32,64], b: f32[4,64,16]) -> f32[4,32,16] {
   ROOT %out = f32[4,32,16]{2,1,0} get-tuple-element(%gemm), index=0
 }
 """
-    got = hlo.matmul_flops(hlo.Module(text))
-    assert got["cublas"] == 2 * 4 * 32 * 16 * 64 and hlo.dot_flops(hlo.Module(text)) == got["cublas"]
+    got = hlo_flops.matmul_flops(hlo.Module(text))
+    assert got["cublas"] == 2 * 4 * 32 * 16 * 64
+    assert hlo_flops.dot_flops(hlo.Module(text)) == got["cublas"]
 
 
 def test_cpu_dots_unchanged():
@@ -123,9 +124,9 @@ def test_cpu_dots_unchanged():
     x = jax.ShapeDtypeStruct((16, 32), np.float32)
     w = jax.ShapeDtypeStruct((32, 32), np.float32)
     text = jax.jit(f).lower(x, w).compile().as_text()
-    got = hlo.matmul_flops(hlo.Module(text))
+    got = hlo_flops.matmul_flops(hlo.Module(text))
     assert got["dot"] == 4 * 2 * 16 * 32 * 32
-    assert sum(got.values()) == got["dot"] == hlo.dot_flops(hlo.Module(text))
+    assert sum(got.values()) == got["dot"] == hlo_flops.dot_flops(hlo.Module(text))
 
 
 # ----------------------------------------------------------------------------- async collectives

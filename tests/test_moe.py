@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.analysis import inspect
 from jaxscale import plan, planner
 from jaxscale.axes import use_rules
@@ -216,7 +217,7 @@ def test_train_step_metrics_and_checkpoint_across_ep_degrees(tmp_path):
     assert 1.0 <= float(m["moe_aux_loss"]) < 8.0 and float(m["moe_z_loss"]) > 0
     assert 0.0 < float(m["moe_dropped"]) < 1.0
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", src.cfg.ckpt)
-    ck.save(1, state, ckpt_lib.make_meta(src.cfg, state, 1))
+    ck.save(1, state, ckpt_meta.make_meta(src.cfg, state, 1))
     ck.wait()
     ck.close()
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", dst.cfg.ckpt, read_only=True)

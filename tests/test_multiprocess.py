@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from tests.helpers import SMALL_ARGS, subprocess_env
 
 SMALL = SMALL_ARGS
@@ -71,7 +71,7 @@ def test_two_processes_train_and_checkpoint_like_one(two_process_run, reference)
     rows = rows_of(out)
     assert [x["step"] for x in rows] == list(range(1, 7))
     assert_losses_match(rows, reference, range(1, 7))
-    listing = ckpt_lib.scan(out / "checkpoints")
+    listing = ckpt_meta.scan(out / "checkpoints")
     assert listing.complete == [3, 6] and not listing.partial
     meta = json.loads((out / "checkpoints" / "6" / "meta" / "metadata").read_text())
     assert meta["mesh"]["processes"] == 2 and meta["mesh"]["devices"] == 8
@@ -103,5 +103,5 @@ def test_resume_in_two_processes_then_a_killed_process_stops_the_other(two_proce
         os.kill(pids[0], 0)
     rows = {r["step"]: r for r in rows_of(out)}
     assert_losses_match(list(rows.values()), reference, range(7, 10))
-    listing = ckpt_lib.scan(out / "checkpoints")
+    listing = ckpt_meta.scan(out / "checkpoints")
     assert 9 in listing.complete                 # finalized checkpoints survive the failure

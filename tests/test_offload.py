@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.analysis import inspect, hlo
 from jaxscale import planner
 from jaxscale.data import Batches, load_corpus
@@ -274,12 +275,12 @@ def test_checkpoint_of_host_state_restores_into_host_memory_and_resumes(tmp_path
     state = setup.init_state()
     state, _ = exe(state, _batch(setup, 0))
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", setup.cfg.ckpt)
-    ck.save(1, state, ckpt_lib.make_meta(setup.cfg, state, 1))
+    ck.save(1, state, ckpt_meta.make_meta(setup.cfg, state, 1))
     ck.wait()
     ck.close()
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", setup.cfg.ckpt, read_only=True)
     meta = ck.read_meta(1)
-    assert not ckpt_lib.check_compatible(meta, setup.cfg, setup.abstract_state(), "ck")
+    assert not ckpt_meta.check_compatible(meta, setup.cfg, setup.abstract_state(), "ck")
     restored = ck.restore(1, setup.abstract_state(), meta["checksums"])
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         assert a.sharding.memory_kind == b.sharding.memory_kind

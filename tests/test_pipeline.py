@@ -141,13 +141,14 @@ def test_flops_are_the_model_flops(reports):
 # ----------------------------------------------------------------------------- composition
 def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
     from jaxscale.train import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint_meta as ckpt_meta
     pp_cfg = tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.precision=bf16",
                          "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4")
     s = build(pp_cfg)
     order = program.layer_order(s.placement.spec)
     state = s.init_state()
     ck = ckpt_lib.Checkpointer(tmp_path, pp_cfg.ckpt)
-    ck.save(0, state, ckpt_lib.make_meta(pp_cfg, state, 0, None, order))
+    ck.save(0, state, ckpt_meta.make_meta(pp_cfg, state, 0, None, order))
     ck.wait()
     ck.close()
     one_cfg = tiny_config(*BASE, "mesh.fsdp=8", "mesh.tp=1", "plan.precision=bf16")

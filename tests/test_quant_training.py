@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.analysis import inspect, hlo
 from jaxscale.strategies.qat import numerics
 from jaxscale import plan as plan_lib
@@ -129,7 +130,7 @@ def test_fp8_trains_and_rolls_its_amax_history(fp8_one, batches, initial, tmp_pa
     abstract = fp8_one.setup.abstract_state()
     assert abstract.quant["amax_history"].shape == (L, len(numerics.SLOTS), H)
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", fp8_one.cfg.ckpt)
-    ck.save(STEPS, fp8_one.last, ckpt_lib.make_meta(fp8_one.cfg, fp8_one.last, STEPS))
+    ck.save(STEPS, fp8_one.last, ckpt_meta.make_meta(fp8_one.cfg, fp8_one.last, STEPS))
     ck.wait()
     restored = ck.restore(STEPS, abstract)
     ck.close()

@@ -156,13 +156,14 @@ def test_sparse_embedding_census_is_the_formula_and_fewer_bytes(exchanges):
 def teacher_dir(tmp_path_factory, exchanges):
     """A run directory (config.json + checkpoints/0) holding the dp8 model's initial state."""
     from jaxscale.train import checkpoint as ckpt_lib
+    from jaxscale.train import checkpoint_meta as ckpt_meta
     from jaxscale import config as config_lib
     out = tmp_path_factory.mktemp("teacher")
     s, state = exchanges["dense"][0], exchanges["init"]
     ck = ckpt_lib.Checkpointer(out / "checkpoints", config_lib.CheckpointConfig(async_save=False))
     # the metadata a run writes, less the checksums (a restore then skips verifying them)
     ck.save(0, state, {"step": 0, "config": config_lib.to_dict(s.cfg),
-                       "leaves": ckpt_lib.leaf_signature(state)})
+                       "leaves": ckpt_meta.leaf_signature(state)})
     ck.wait()
     ck.close()
     config_lib.save(s.cfg, out / "config.json")

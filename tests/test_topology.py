@@ -3,7 +3,7 @@ all-reduce algorithm each favours; one node reduces to the NVLink ring."""
 import pytest
 
 from jaxscale.comm import topology as T
-from jaxscale.comm.algorithms import Link, flat_ring_time, hierarchical_time
+from jaxscale.comm.algorithm_cost import Link, flat_ring_time, hierarchical_time
 
 
 def test_flows_follow_the_topology():
@@ -23,7 +23,7 @@ def test_one_node_is_the_nvlink_ring_and_two_levels_match_collective_algorithms(
     one = T.Topology(1, 8)
     assert T.all_reduce_time(one, "flat_ring", 1e9) == pytest.approx(
         2 * 7 * (one.intra.alpha + 1e9 / 8 / one.intra.bandwidth))
-    # a plain switch: the same numbers as collective_algorithms' two-level model
+    # a plain switch: the same numbers as algorithm_cost's two-level model
     flat = T.Topology(4, 8, switch_latency=0.0)
     inter = Link(flat.nic.alpha, flat.nic.bandwidth)
     assert T.all_reduce_time(flat, "hierarchical", 1e9) == pytest.approx(

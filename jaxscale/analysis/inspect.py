@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxscale.analysis import hlo
+from jaxscale.analysis import hlo, hlo_flops
 from jaxscale.cost import busbw_factor
 from jaxscale.strategies.common import Comm
 
@@ -81,11 +81,11 @@ def memory(compiled) -> dict:
 
 def flops(compiled, text: str | None = None, branch_share: list[float] | None = None) -> dict:
     """Matmul FLOPs per device per step from the HLO (loop-aware; dots, cuBLAS and cuDNN custom
-    calls, Triton gemm fusions: `hlo.matmul_flops`), and XLA's own estimate."""
+    calls, Triton gemm fusions: `hlo_flops.matmul_flops`), and XLA's own estimate."""
     text = text or compiled.as_text()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    by_source = hlo.matmul_flops(hlo.Module(text, branch_share))
+    by_source = hlo_flops.matmul_flops(hlo.Module(text, branch_share))
     return {"dot_flops": sum(by_source.values()), "matmul_flops_by_source": by_source,
             "xla_cost_analysis_flops": float((ca or {}).get("flops", 0.0))}
 

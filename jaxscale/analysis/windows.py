@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from jaxscale.analysis import hlo
+from jaxscale.analysis import hlo, hlo_flops
 
 _NAME = re.compile(r"%([\w.\-]+)")
 
@@ -44,13 +44,13 @@ def _matmul_flops(mod: hlo.Module) -> dict[tuple[str, str], float]:
     """(computation, instruction) -> matmul FLOPs of one execution, where a fusion or call
     counts the dots of the computations it calls (`calls=`)."""
     per_comp: dict[str, float] = defaultdict(float)
-    for _src, ins, f in hlo.matmuls(mod):
+    for _src, ins, f in hlo_flops.matmuls(mod):
         per_comp[ins.computation] += f
     out = {}
     for ins in mod.instrs:
         f = 0.0
         if ins.opcode == "dot":
-            f = hlo._dot(mod, ins)
+            f = hlo_flops._dot(mod, ins)
         elif ins.opcode in ("fusion", "custom-call", "call"):
             m = re.search(r"\b(?:calls|to_apply)=%?([\w.\-]+)", ins.rest)
             f = per_comp.get(m.group(1), 0.0) if m else 0.0

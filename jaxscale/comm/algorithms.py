@@ -1,4 +1,4 @@
-"""Hand-written collectives from `jax.lax.ppermute`, and their alpha-beta cost model.
+"""Hand-written collectives from `jax.lax.ppermute`; their cost model is in `algorithm_cost`.
 
 XLA picks its own algorithm for `psum`, `all_gather` and `psum_scatter`. The functions here spell
 the classic algorithms out as point-to-point steps, to study them, to time them against the
@@ -24,45 +24,32 @@ hierarchical_all_reduce    psum over two axes     2(a-1) inner + 2(b-1) outer 2(
 Ring and halving-doubling move the bandwidth-optimal 2(n-1)/n S; halving-doubling needs only
 2 log2 n latencies instead of 2(n-1); recursive doubling trades bandwidth (log2 n full buffers) for
 the fewest steps, which wins for small messages. The hierarchical all-reduce moves the same total,
-but all-reduces only a shard of S/a over the outer (slow, inter-node) axis: with inter-node bandwidth below
-intra-node bandwidth it beats a flat ring over all a*b devices, whose every step waits on a hop
-that crosses nodes (`flat_ring_time` vs `hierarchical_time`).
+but all-reduces only a shard of S/a over the outer (slow, inter-node) axis: with inter-node
+bandwidth below intra-node bandwidth it beats a flat ring over all a*b devices, whose every step
+waits on a hop that crosses nodes (`algorithm_cost.flat_ring_time` vs
+`algorithm_cost.hierarchical_time`).
 
 The loops are unrolled in Python: every step is one `collective-permute` in the compiled program
 (and nothing else is a collective), which keeps the census exact. On simulated CPU devices every
 permute is a rendezvous of all device threads (~0.1 ms on 2 cores), so there the algorithms rank
 by step count and one fused `psum` wins; `experiments/10_collectives.py` measures it.
 
-Alpha-beta model (`predict_time`, through `jaxscale.cost`, the one the planner and the census use):
-t = steps * alpha + S * factor / bandwidth, where factor is the algorithm's bytes on the wire over
-S. For the bandwidth-optimal algorithms it is the nccl-tests busbw factor (`busbw_factor`):
-all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast and permute 1.
+The steps and bytes of the table are the alpha-beta model of `jaxscale.comm.algorithm_cost`
+(`cost`, `predict_time`), which predicts these algorithms' times.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxscale import cost as cost_lib
+from jaxscale.comm.algorithm_cost import check_power_of_two
 
 AxisName = str | tuple[str, ...]
-
-#: Collective kinds of the benchmark and of the cost model.
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "permute")
-#: Algorithms of the cost model; `all_reduce` below runs the ones that are all-reduces.
-ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "hierarchical")
-_MODEL_KINDS = {
-    "ring": KINDS,
-    "halving_doubling": ("all_reduce", "reduce_scatter", "all_gather"),
-    "recursive_doubling": ("all_reduce",),
-    "hierarchical": ("all_reduce",),
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,13 +65,6 @@ def _ring(n: int, shift: int = 1) -> list[tuple[int, int]]:
 
 def _xor(n: int, d: int) -> list[tuple[int, int]]:
     return [(j, j ^ d) for j in range(n)]
-
-
-def _check_power_of_two(n: int, what: str, axis_name: AxisName) -> None:
-    if n < 1 or n & (n - 1):
-        raise ValueError(
-            f"{what} needs a power-of-two axis size, but axis {axis_name!r} has {n} devices. "
-            f"Use ring_all_reduce (any size), or a mesh whose axis size is 2, 4, 8, ...")
 
 
 def _flat_padded(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
@@ -167,7 +147,7 @@ def halving_doubling_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
     Doubling at d = 1, 2, ..., n/2 swaps segments with the same partners and concatenates.
     """
     n = _size(axis_name)
-    _check_power_of_two(n, "halving_doubling_all_reduce", axis_name)
+    check_power_of_two(n, "halving_doubling_all_reduce", axis_name)
     if n == 1:
         return x
     flat, size = _flat_padded(x, n)
@@ -197,7 +177,7 @@ def recursive_doubling_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Arra
     Equals `psum`; needs a power-of-two axis size. Latency-optimal, not bandwidth-optimal.
     """
     n = _size(axis_name)
-    _check_power_of_two(n, "recursive_doubling_all_reduce", axis_name)
+    check_power_of_two(n, "recursive_doubling_all_reduce", axis_name)
     d = 1
     while d < n:
         x = x + jax.lax.ppermute(x, axis_name, _xor(n, d))
@@ -308,141 +288,3 @@ def all_gather(x: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
     """Ring all-gather of the n local arrays `x[k]`: every row of the result is their concat."""
     _check_global(x, mesh, (axis,))
     return _ring_fn("all_gather", mesh, axis)(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# alpha-beta cost model
-# ---------------------------------------------------------------------------------------------
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; valid: {', '.join(KINDS)}")
-
-
-def busbw_factor(kind: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor: busbw = algbw * factor (`jaxscale.cost.busbw_factor`)."""
-    _check_kind(kind)
-    return cost_lib.busbw_factor(kind, n)
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Sequential steps (each paying alpha once), bytes each device sends, bytes it adds."""
-    steps: int
-    wire_bytes: float
-    reduced_bytes: float = 0.0
-
-    def time(self, alpha: float, bandwidth: float, gamma: float = 0.0) -> float:
-        """alpha-beta(-gamma) (`jaxscale.cost.alpha_beta`): gamma is seconds per byte reduced
-        (0: transfers only)."""
-        return cost_lib.alpha_beta(self.steps, self.wire_bytes, alpha, bandwidth, gamma,
-                                   self.reduced_bytes)
-
-
-def cost(algorithm: str, kind: str, nbytes: float, n: int, *, n_inner: int | None = None) -> Cost:
-    """Steps and per-device wire bytes of `algorithm` for `kind` on n devices, S = `nbytes`.
-
-    `nbytes` is the full per-device buffer: the all-gather output, the reduce-scatter input.
-    Ring all-to-all is the pairwise exchange (n-1 steps of S/n); ring broadcast the pipelined
-    chain in its large-message limit (n-1 steps, S through every link). `n_inner` (hierarchical
-    only) is the inner group size; it must divide n.
-    """
-    _check_kind(kind)
-    if algorithm not in _MODEL_KINDS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-    if kind not in _MODEL_KINDS[algorithm]:
-        raise ValueError(f"algorithm {algorithm!r} has no {kind}; it models "
-                         f"{', '.join(_MODEL_KINDS[algorithm])}")
-    if n < 1:
-        raise ValueError(f"need at least one device, got n={n}")
-    S = float(nbytes)
-    reduces = kind in ("all_reduce", "reduce_scatter")
-    if algorithm == "ring":
-        if n == 1:
-            return Cost(0, 0.0)
-        return Cost(cost_lib.ring_steps(kind, n), S * busbw_factor(kind, n),
-                    S * (n - 1) / n if reduces else 0.0)
-    if algorithm == "hierarchical":
-        if not n_inner or n % n_inner:
-            raise ValueError(f"hierarchical needs n_inner dividing n={n}, got {n_inner}")
-        a, b = n_inner, n // n_inner
-        return Cost(2 * (a - 1) + 2 * (b - 1), S * (2 * (a - 1) / a + 2 * (b - 1) / (a * b)),
-                    S * ((a - 1) / a + (b - 1) / (a * b)))
-    _check_power_of_two(n, algorithm, "n")
-    k = n.bit_length() - 1
-    if algorithm == "recursive_doubling":
-        return Cost(k, S * k, S * k)
-    steps = 2 * k if kind == "all_reduce" else k
-    return Cost(steps, S * busbw_factor(kind, n), S * (n - 1) / n if reduces else 0.0)
-
-
-def wire_bytes(algorithm: str, kind: str, nbytes: float, n: int, *,
-               n_inner: int | None = None) -> float:
-    """Theoretical bytes each device sends for one collective."""
-    return cost(algorithm, kind, nbytes, n, n_inner=n_inner).wire_bytes
-
-
-def predict_time(algorithm: str, kind: str, nbytes: float, n: int, alpha: float,
-                 bandwidth: float, *, n_inner: int | None = None, gamma: float = 0.0) -> float:
-    """t = steps * alpha + S * factor / bandwidth (seconds; alpha in s, bandwidth in bytes/s).
-
-    `gamma` > 0 adds the reduction arithmetic, gamma * bytes added per device (the alpha-beta-
-    gamma model); it matters where devices share compute, as simulated CPU devices do.
-    """
-    return cost(algorithm, kind, nbytes, n, n_inner=n_inner).time(alpha, bandwidth, gamma)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One class of link: per-message latency (s) and per-device bandwidth (bytes/s, one way)."""
-    alpha: float
-    bandwidth: float
-
-
-def hierarchical_time(nbytes: float, n_inner: int, n_outer: int, intra: Link,
-                      inter: Link) -> float:
-    """Two-level all-reduce: inner ring RS + AG over `intra`, outer ring AR of S/a over `inter`.
-
-    Assumes every device has its own inter-node link (one NIC per GPU, as on DGX nodes), so
-    the a outer rings run side by side.
-    """
-    a, b = n_inner, n_outer
-    t = 2 * (a - 1) * (intra.alpha + nbytes / (a * intra.bandwidth))
-    return t + 2 * (b - 1) * (inter.alpha + nbytes / (a * b * inter.bandwidth))
-
-
-def flat_ring_time(nbytes: float, n_inner: int, n_outer: int, intra: Link, inter: Link) -> float:
-    """Ring all-reduce over all a*b devices laid out node by node.
-
-    Each of the 2(N-1) steps is synchronous, and with more than one node b hops of the ring cross
-    nodes, so every step moves S/N over the slower link.
-    """
-    n = n_inner * n_outer
-    link = inter if n_outer > 1 else intra
-    slow = Link(max(intra.alpha, link.alpha), min(intra.bandwidth, link.bandwidth))
-    return 2 * (n - 1) * (slow.alpha + nbytes / (n * slow.bandwidth))
-
-
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Fit t = alpha + S / bandwidth to measured (S, t); returns (alpha, bandwidth).
-
-    Least squares on relative errors ((model - t) / t), so that microsecond points at small S
-    weigh as much as millisecond points at large S. alpha is clamped at 0; a non-positive slope
-    (times not growing with size) is an error.
-    """
-    if len(sizes) != len(times) or len(sizes) < 2:
-        raise ValueError("fit_alpha_beta needs at least two (size, time) pairs of equal length")
-    if len(set(sizes)) < 2 or min(times) <= 0:
-        raise ValueError("fit_alpha_beta needs two different sizes and positive times")
-    # minimise sum ((alpha + slope*S) / t - 1)^2: normal equations of a 2x2 system
-    w = [1.0 / t for t in times]
-    a11 = sum(x * x for x in w)
-    a12 = sum(x * x * s for x, s in zip(w, sizes))
-    a22 = sum((x * s) ** 2 for x, s in zip(w, sizes))
-    b1, b2 = sum(w), sum(x * s for x, s in zip(w, sizes))
-    det = a11 * a22 - a12 * a12
-    alpha, slope = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-    if alpha < 0:  # refit through the origin
-        alpha, slope = 0.0, b2 / a22
-    if slope <= 0:
-        raise ValueError("measured times do not grow with message size; cannot fit a bandwidth")
-    return alpha, 1.0 / slope

@@ -26,14 +26,15 @@ flow: hops x `switch_latency` + the link's latency, bytes / bandwidth):
   inside the node; it moves only 2 (nodes-1)/N x S per device over the network.
 
 `best(topology, S)` ranks them; `jaxscale.comm.algorithms` holds the same algorithms written
-with `ppermute` for one machine, and `experiments/27_topology.py` compares the topologies.
+with `ppermute` for one machine (their alpha-beta model, and `Link`, in
+`jaxscale.comm.algorithm_cost`), and `experiments/27_topology.py` compares the topologies.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from jaxscale.comm.algorithms import Link
+from jaxscale.comm.algorithm_cost import Link
 
 ALGORITHMS = ("flat_ring", "tree", "hierarchical")
 

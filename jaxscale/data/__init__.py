@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxscale.data.tokenizer import ByteTokenizer, Tokenizer  # noqa: F401  (re-exported)
+from jaxscale.data.tokenizer import ByteTokenizer, Tokenizer
 from jaxscale.data import tokenizer as tokenizer_lib
 
 

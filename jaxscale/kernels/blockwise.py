@@ -2,15 +2,15 @@
 
 Queries are cut into blocks of `block_q` rows and keys/values into blocks of `block_k`; a loop over
 query blocks runs an inner loop over only the key/value blocks that the mask lets the block see
-(causal, sliding window and block-sparse masks skip whole tiles; the static `TileSchedule` lists
-them). Each visited tile does one online-softmax step on running (max m, sum l, accumulator acc),
-so no [T, S] score matrix exists: live memory is O(B·H·block_q·block_k) per step plus the O(B·T·H·D)
-inputs and outputs, i.e. linear in sequence length (the xla reference is quadratic). The backward
-(a `jax.custom_vjp`) saves only q, k, v, the output and the log-sum-exp per row, and recomputes the
-probabilities tile by tile (FlashAttention-2 style): one more pass of QK^T FLOPs buys not storing the
-O(T·S) probabilities. The loops run on any backend; they are the portable fallback of the Pallas
-kernel (`flash_attention.py`, which shares the schedule) and the building blocks of ring attention
-(`online_softmax_step`, `finalize`, `block_grads`).
+(causal, sliding window and block-sparse masks skip whole tiles; the static `TileMap` of
+`tiles.py` lists them). Each visited tile does one online-softmax step on running (max m, sum l,
+accumulator acc), so no [T, S] score matrix exists: live memory is O(B·H·block_q·block_k) per step
+plus the O(B·T·H·D) inputs and outputs, i.e. linear in sequence length (the xla reference is
+quadratic). The backward (a `jax.custom_vjp`) saves only q, k, v, the output and the log-sum-exp
+per row, and recomputes the probabilities tile by tile (FlashAttention-2 style): one more pass of
+QK^T FLOPs buys not storing the O(T·S) probabilities. The loops run on any backend; they are the
+portable fallback of the Pallas kernel (`flash_attention.py`, which shares the tile map) and the
+building blocks of ring attention (`online_softmax_step`, `finalize`, `block_grads`).
 
 Shapes: q [B, T, H, D], k and v [B, S, K, D], H a multiple of K (grouped-query / multi-query
 attention: a query head h reads key/value head h // (H/K); K/V are never repeated in memory).
@@ -25,155 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.kernels.tiles import BlockSparseMask, TileMap, tile_map, tile_mask
+
 #: Finite stand-in for -inf in masked scores (keeps exp(m_old - m_new) and max() free of NaN).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-# ----------------------------------------------------------------------------- masks and schedule
-@dataclass(frozen=True)
-class BlockSparseMask:
-    """A static mask at block granularity: query block a may see key block b iff blocks[a][b].
-
-    Element (t, s) is allowed iff blocks[t // block_q][s // block_k]. Kernel tiles must divide these
-    blocks so that every tile is wholly in or wholly out (the kernels then skip the 'out' tiles).
-    """
-    blocks: tuple[tuple[bool, ...], ...]
-    block_q: int
-    block_k: int
-
-    @classmethod
-    def from_array(cls, blocks, block_q: int, block_k: int) -> "BlockSparseMask":
-        arr = np.asarray(blocks, dtype=bool)
-        if arr.ndim != 2:
-            raise ValueError(f"block mask must be 2-D [query blocks, key blocks], got {arr.shape}")
-        return cls(tuple(tuple(bool(x) for x in row) for row in arr), int(block_q), int(block_k))
-
-    @classmethod
-    def local(cls, n_q: int, n_k: int, width: int, block_q: int, block_k: int,
-              causal: bool = True, global_blocks: int = 0) -> "BlockSparseMask":
-        """Banded layout: query block a sees key blocks a-width+1..a (and a+width-1 if not causal),
-        plus the first `global_blocks` key blocks (attention sinks / global tokens)."""
-        a, b = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
-        m = (b > a - width) & ((b <= a) if causal else (b < a + width))
-        m |= b < global_blocks
-        return cls.from_array(m, block_q, block_k)
-
-    def array(self) -> np.ndarray:
-        return np.asarray(self.blocks, dtype=bool)
-
-    def dense(self, T: int, S: int) -> np.ndarray:
-        """Element mask [T, S] (for the reference implementation)."""
-        arr = self.array()
-        nq, nk = -(-T // self.block_q), -(-S // self.block_k)
-        if arr.shape[0] < nq or arr.shape[1] < nk:
-            raise ValueError(f"block mask {arr.shape} too small for T={T}, S={S} with blocks "
-                             f"({self.block_q}, {self.block_k}): need at least ({nq}, {nk})")
-        return arr[np.arange(T) // self.block_q][:, np.arange(S) // self.block_k]
-
-    def density(self, T: int, S: int) -> float:
-        return float(self.dense(T, S).mean())
-
-
-@dataclass(frozen=True, eq=False)
-class TileSchedule:
-    """Which (query block, key block) tiles a kernel visits, full tiles listed before partial ones.
-
-    kv_index[i, :kv_count[i]] are the key blocks of query block i; the first kv_full[i] of them are
-    entirely allowed (no element mask needed). q_index / q_count / q_full are the transpose (query
-    blocks per key block) for the dK/dV pass.
-    """
-    block_q: int
-    block_k: int
-    kv_index: np.ndarray
-    kv_count: np.ndarray
-    kv_full: np.ndarray
-    q_index: np.ndarray
-    q_count: np.ndarray
-    q_full: np.ndarray
-    visited: int          # tiles visited
-    full: int             # of which need no element mask
-    dense: int            # tiles of the dense [T, S] problem
-
-    @property
-    def num_q_blocks(self) -> int:
-        return len(self.kv_count)
-
-    @property
-    def num_k_blocks(self) -> int:
-        return len(self.q_count)
-
-
-def _index_lists(any_RC: np.ndarray, full_RC: np.ndarray):
-    """Per row: column indices, full ones first. -> (index [R, max(1, C_max)], count, full)."""
-    count, nfull = any_RC.sum(1), full_RC.sum(1)
-    index = np.zeros((any_RC.shape[0], max(1, int(count.max(initial=0)))), np.int32)
-    for r in range(any_RC.shape[0]):
-        cols = np.concatenate([np.flatnonzero(full_RC[r]), np.flatnonzero(any_RC[r] & ~full_RC[r])])
-        index[r, :len(cols)] = cols
-        if 0 < len(cols) < index.shape[1]:
-            index[r, len(cols):] = cols[-1]
-    return index, count.astype(np.int32), nfull.astype(np.int32)
-
-
-@functools.lru_cache(maxsize=512)
-def tile_schedule(T: int, S: int, block_q: int, block_k: int, *, causal: bool,
-                  window: int | None = None, q_offset: int = 0,
-                  block_mask: BlockSparseMask | None = None) -> TileSchedule:
-    """Static list of tiles that hold at least one allowed (query, key) pair.
-
-    With d = t + q_offset - s, causal keeps d >= 0 and a window keeps d < window; over a tile d spans
-    every integer in [t0 + q_offset - s1, t1 + q_offset - s0], so a tile is visited iff that interval
-    meets the allowed one, and is full iff it lies inside it and holds no padded query or key (padded
-    rows are always masked, so forward and backward agree on them whatever their block sizes).
-    """
-    nq, nk = -(-T // block_q), -(-S // block_k)
-    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-    t0, t1 = i * block_q, np.minimum((i + 1) * block_q, T) - 1
-    s0, s1 = j * block_k, np.minimum((j + 1) * block_k, S) - 1
-    dmin, dmax = t0 + q_offset - s1, t1 + q_offset - s0
-    lo = 0 if causal else -np.inf
-    hi = window - 1 if window is not None else np.inf
-    any_ = (dmax >= lo) & (dmin <= hi)
-    full = (dmin >= lo) & (dmax <= hi) & ((i + 1) * block_q <= T) & ((j + 1) * block_k <= S)
-    if block_mask is not None:
-        bm = block_mask
-        if bm.block_q % block_q or bm.block_k % block_k:
-            raise ValueError(f"kernel tiles ({block_q}, {block_k}) must divide the block-sparse "
-                             f"mask's blocks ({bm.block_q}, {bm.block_k}); pass smaller block sizes")
-        arr = bm.array()
-        if arr.shape[0] < -(-T // bm.block_q) or arr.shape[1] < -(-S // bm.block_k):
-            raise ValueError(f"block mask {arr.shape} too small for T={T}, S={S} with blocks "
-                             f"({bm.block_q}, {bm.block_k})")
-        tile_ok = arr[(i * block_q) // bm.block_q, (j * block_k) // bm.block_k]
-        any_, full = any_ & tile_ok, full & tile_ok
-    full = full & any_
-    kv_index, kv_count, kv_full = _index_lists(any_, full)
-    q_index, q_count, q_full = _index_lists(any_.T, full.T)
-    return TileSchedule(block_q, block_k, kv_index, kv_count, kv_full, q_index, q_count, q_full,
-                        int(any_.sum()), int(full.sum()), nq * nk)
-
-
-def tile_mask(q_pos, kv_pos, *, causal: bool, window: int | None = None, kv_len: int | None = None,
-              q_len: int | None = None, q_segment_ids=None, kv_segment_ids=None):
-    """Boolean mask [B or 1, Tq, Sk] for a tile given absolute positions q_pos [Tq], kv_pos [Sk].
-
-    Keys at kv_pos >= kv_len and queries at q_pos >= q_len (padding) are masked; segment ids
-    ([B, Tq], [B, Sk]) keep equal ids.
-    """
-    d = q_pos[:, None] - kv_pos[None, :]
-    mask = jnp.ones(d.shape, bool)
-    if causal:
-        mask &= d >= 0
-    if window is not None:
-        mask &= d < window
-    if kv_len is not None:
-        mask &= (kv_pos < kv_len)[None, :]
-    if q_len is not None:
-        mask &= (q_pos < q_len)[:, None]
-    mask = mask[None]
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-    return mask
 
 
 # ----------------------------------------------------------------------------- per-tile steps
@@ -260,9 +115,9 @@ class _Static:
     scale: float
     block_mask: BlockSparseMask | None
 
-    def schedule(self) -> TileSchedule:
-        return tile_schedule(self.T, self.S, self.block_q, self.block_k, causal=self.causal,
-                             window=self.window, q_offset=self.q_offset, block_mask=self.block_mask)
+    def tile_map(self) -> TileMap:
+        return tile_map(self.T, self.S, self.block_q, self.block_k, causal=self.causal,
+                        window=self.window, q_offset=self.q_offset, block_mask=self.block_mask)
 
     def mask(self, i, j, qseg, kvseg):
         """Element mask of tile (query block i, key block j); segment ids are padded arrays."""
@@ -280,7 +135,7 @@ def _forward(st: _Static, q, k, v, qseg, kvseg):
     B, Tp, H, D = q.shape
     K = k.shape[2]
     bq, bk = st.block_q, st.block_k
-    sch = st.schedule()
+    sch = st.tile_map()
     nq = sch.num_q_blocks
     kv_index, kv_count = jnp.asarray(sch.kv_index), jnp.asarray(sch.kv_count)
 
@@ -309,7 +164,7 @@ def _backward(st: _Static, q, k, v, qseg, kvseg, o, lse_BHT, do):
     B, Tp, H, D = q.shape
     K = k.shape[2]
     bq, bk = st.block_q, st.block_k
-    sch = st.schedule()
+    sch = st.tile_map()
     q_index, q_count = jnp.asarray(sch.q_index), jnp.asarray(sch.q_count)
     delta_BHT = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
 

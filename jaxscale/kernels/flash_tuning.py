@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxscale.kernels.blockwise import BlockSparseMask
+from jaxscale.kernels.tiles import BlockSparseMask
 
 KERNELS = ("fwd", "dq", "dkdv")
 #: The packaged tuning table, and the environment variable that names another one.

@@ -135,7 +135,7 @@ def estimate(spec) -> Memory:
     acts = row["activations"]
     batch = spec.local_batch * spec.seq * 12     # inputs, targets (int32), mask (f32): whole
                                                  # along the sequence (sp.batch_seq_axis)
-    counters = 3 * 4                                    # step, Adam count, schedule count
+    counters = 3 * 4                            # step, Adam's count, the learning rate's count
     backward = row["backward"] + acts
     update = row["update"]
     temp = max(backward, update)

@@ -50,13 +50,13 @@ def shard_factor(spec, part: str) -> int:
     return spec.deg(AXIS) if stage(spec) >= STAGE_OF[part] else 1
 
 
-def shard_spec(spec, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
+def shard_spec(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
                axis: str = AXIS):
-    """`spec` with `axis` added on one dimension (see module docstring): at stages 1 and 2 after
+    """The PartitionSpec `partition` with `axis` added on one dimension (see module docstring): at stages 1 and 2 after
     the axes already there (it splits each of their shards), at stage 3 before them."""
     from jax.sharding import PartitionSpec as P
     n = axis_sizes.get(axis, 1)
-    entries = list(spec) + [None] * (len(shape) - len(spec))
+    entries = list(partition) + [None] * (len(shape) - len(partition))
     if n == 1 or any(axis in _axes(e) for e in entries):
         return P(*entries)
 

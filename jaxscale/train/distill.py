@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale.fields import raise_problems
 
@@ -101,7 +102,7 @@ def locate(path: str):
         cfg = json.loads((p / "config.json").read_text())
         ck = (cfg.get("ckpt") or {}).get("dir") or str(p / "checkpoints")
         return Path(ck), None, cfg
-    if p.name.isdigit() and not ckpt_lib.scan(p).complete:        # one step directory
+    if p.name.isdigit() and not ckpt_meta.scan(p).complete:        # one step directory
         run = p.parent.parent / "config.json"
         return p.parent, int(p.name), json.loads(run.read_text()) if run.is_file() else None
     return p, None, None
@@ -141,7 +142,7 @@ def load(cfg, placement, policy) -> Teacher:
     from jaxscale.train.state import FunctionalModel
     ckdir, step, tdict = locate(cfg.train.teacher)
     key = f"train.teacher={cfg.train.teacher!r}"
-    listing = ckpt_lib.scan(ckdir)
+    listing = ckpt_meta.scan(ckdir)
     if step is None:
         if not listing.complete:
             raise ValueError(f"{key}: no finalized checkpoint in {ckdir} (train the teacher "

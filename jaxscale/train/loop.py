@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, make_batches
@@ -189,7 +190,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     hint = f": {resume_command}" if resume_command else " (the same command plus --resume)"
     setup = build(cfg)
     cfg = config_lib.replace_resolved_mesh(cfg, setup.placement.mesh_cfg)
-    ckdir = ckpt_lib.directory_for(cfg, out)
+    ckdir = ckpt_meta.directory_for(cfg, out)
     start, notes = 0, []
     order = setup.layout.layer_order
     if resume:
@@ -201,7 +202,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
         for n in notes:
             _say(f"jaxscale train: note: config differs from the checkpoint: {n}")
     else:
-        ckpt_lib.refuse_overwrite(ckdir, "" if not resume_command else f" ({resume_command})")
+        ckpt_meta.refuse_overwrite(ckdir, "" if not resume_command else f" ({resume_command})")
         ckpt = ckpt_lib.Checkpointer(ckdir, cfg.ckpt)
         state = setup.init_state()
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +235,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
 
     def save(step_no: int) -> None:
         if step_no not in saved:
-            ckpt.save(step_no, state, ckpt_lib.make_meta(cfg, state, step_no, row, order))
+            ckpt.save(step_no, state, ckpt_meta.make_meta(cfg, state, step_no, row, order))
             saved.add(step_no)
 
     try:

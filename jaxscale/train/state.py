@@ -70,19 +70,21 @@ class TrainState:
 
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Any]:
+    """The optimizer of `optim` (an `OptimConfig`) and its learning rate, a function of the
+    step: linear warm-up from 0, then cosine decay to `lr x min_lr_ratio`."""
     decay = optim.decay_steps or total_steps
-    schedule = optax.warmup_cosine_decay_schedule(
+    learning_rate = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=min(optim.warmup_steps, decay),
         decay_steps=max(decay, optim.warmup_steps + 1), end_value=optim.lr * optim.min_lr_ratio)
     parts = [clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
     if optim.kind == "sgd":         # weight decay added to the gradient, then (heavy-ball) SGD
         if optim.weight_decay > 0:
             parts.append(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask))
-        parts.append(optax.sgd(schedule, momentum=optim.momentum or None))
+        parts.append(optax.sgd(learning_rate, momentum=optim.momentum or None))
     else:
-        parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+        parts.append(optax.adamw(learning_rate, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                                  weight_decay=optim.weight_decay, mask=_decay_mask))
-    return optax.chain(*parts), schedule
+    return optax.chain(*parts), learning_rate
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 
 from jaxscale.strategies.common import Comm, Term, dp_only
+from jaxscale.strategies.compression import formulas
+from jaxscale.strategies.compression.formulas import STATEFUL, is_matrix
 from jaxscale.strategies.tables.params import leaves
 
 NAME = "compression"
 AVAILABLE = True
-METHODS = ("bf16", "fp8", "int8", "sign", "topk", "threshold", "powersgd")
-WITH_STATE = ("sign", "topk", "threshold", "powersgd")
+#: `plan.compression`'s methods (`formulas.METHODS` but the uncompressed fp32 all-reduce)
+METHODS = tuple(m for m in formulas.METHODS if m != "fp32")
 
 
 def active(spec) -> bool:
@@ -81,9 +83,8 @@ def rules(spec, rules) -> None:
 def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
-    from jaxscale.strategies.compression import methods
-    rows = methods.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
-                                   **params(spec))
+    rows = formulas.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
+                                **params(spec))
     return rows + [Comm("all-reduce", ("dp",), 4, 1, "token count (the loss denominator)",
                         group=spec.deg("dp"))]
 
@@ -91,12 +92,11 @@ def collectives(spec) -> list[Comm]:
 def memory(spec) -> list[Term]:
     """The error-feedback residual: one fp32 copy of the gradients per device (sign: plus the
     residual of its shard of the mean; PowerSGD: plus its Q matrices)."""
-    if not active(spec) or spec.compression not in WITH_STATE:
+    if not active(spec) or spec.compression not in STATEFUL:
         return []
     size = sum(math.prod(s) for s in _sizes(spec))
     extra = size / spec.deg("dp") if spec.compression == "sign" else 0
     if spec.compression == "powersgd":
-        from jaxscale.strategies.compression.powersgd import is_matrix
         extra = sum(math.prod(s[:-2]) * s[-1] * spec.compression_rank for s in _sizes(spec)
                     if is_matrix(s, spec.compression_rank))
     return [Term("optimizer", 4 * (size + extra), f"{spec.compression} error-feedback state")]
@@ -112,14 +112,14 @@ def shape_step(spec, parts) -> None:
     error-feedback state per device in `TrainState.comm`."""
     if not active(spec):
         return
-    if spec.compression in WITH_STATE:
+    if spec.compression in STATEFUL:
         parts.set("state.comm", lambda params, optimizer: init_state(spec, params), by=NAME)
     parts.set("reduce", wrap, by=NAME)
 
 
 def init_state(spec, abstract_params):
     """The stacked per-device state ([dp, ...] leaves) of the plan's method, or None."""
-    if not active(spec) or spec.compression not in WITH_STATE:
+    if not active(spec) or spec.compression not in STATEFUL:
         return None
     from jaxscale.strategies.compression import methods
     n = spec.deg("dp")

@@ -4,7 +4,8 @@ Each function is called inside `jax.shard_map` with a device's local gradient (a
 pytree) and the data mesh axes (`("dp",)`, `("dp", "fsdp")`, ...), and returns the mean over
 those axes, identical on every device (replicated, `to='invarying'`). Methods with error feedback
 also take and return a per-device state. A pytree is flattened into one fp32 bucket first (one
-set of collectives per step, as DDP buckets do); PowerSGD (`jaxscale.strategies.compression.powersgd`) works per matrix.
+set of collectives per step, as DDP buckets do); PowerSGD
+(`jaxscale.strategies.compression.powersgd`) works per matrix.
 
 ==========  =============================================  ==================  ===================
 method      collectives (N devices, L gradient elements)   link bytes/device   error (per element)
@@ -29,7 +30,8 @@ quantisation but sends (N-1) L bytes per device instead of 2(N-1)/N L: N/2 times
 N = 8). The price of the two-stage form is a second quantisation of the mean (error counted
 above). `B` is the block: one fp32 scale (max|x| / 127 for int8, / 448 for fp8, mean|x| for
 sign) per B elements, sent beside the payload in both stages. The bucket is zero-padded to a
-multiple of N*B (`pad=False` refuses instead); the padding is on the wire and in `wire_bytes`.
+multiple of N*B (`pad=False` refuses instead); the padding is on the wire and in
+`formulas.wire_bytes`.
 bf16 and fp8 travel bitcast to u16/u8: XLA:CPU widens bf16 collectives to f32 and f8 ones to f16
 (seen in the compiled HLO), which would hide the saving; the bitcast is exact and free.
 
@@ -41,8 +43,9 @@ an all-gather does not shrink with N, so top-k pays (N-1) k (4+v) bytes per devi
 
 State layout: the functions see one device's state (residuals shaped like its gradient);
 `init_state` builds that, `stack` adds the leading device axis a caller keeps it in, sharded
-over the data axes (`state_specs`). `wire_bytes` / `collectives` / `payload_bytes` are the
-pure-Python formulas; `compiled.census` of a compiled step equals `collectives` row by row.
+over the data axes (`state_specs`). The method names, the checks of the arguments and the
+pure-Python formulas (`wire_bytes` / `collectives` / `payload_bytes`, which `compiled.census` of
+a compiled step equals row by row) are `jaxscale.strategies.compression.formulas`.
 """
 from __future__ import annotations
 
@@ -51,36 +54,20 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.strategies.compression import powersgd
-from jaxscale.strategies.common import Comm
+from jaxscale.strategies.compression.formulas import (_check_block, _check_k, _check_method,
+                                                      check_axes, padded_size)
 
 Axes = str | Sequence[str]
-METHODS = ("fp32", "bf16", "fp8", "int8", "sign", "topk", "threshold", "powersgd")
 CAST = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-STATEFUL = ("sign", "topk", "threshold", "powersgd")
 FP8_MAX, INT8_MAX = 448.0, 127.0
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def check_axes(axes) -> tuple[str, ...]:
-    """The data axes as a tuple; a clear error when none is given."""
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(axes or ())
-    if not axes:
-        raise ValueError("gradient compression needs the data axes to reduce over, e.g. "
-                         "axes=('dp',) or ('dp', 'fsdp'); got none. A plan without data-parallel "
-                         "axes has no gradient all-reduce to compress: drop compression from it.")
-    if not all(isinstance(a, str) for a in axes):
-        raise ValueError(f"axes must be mesh axis names (str), got {axes!r}")
-    return axes
-
-
 def axis_size(axes: tuple[str, ...]) -> int:
     try:
         return int(jax.lax.axis_size(axes))
@@ -105,31 +92,6 @@ def ravel(tree) -> tuple[jax.Array, Any]:
             o += size
         return jax.tree.unflatten(treedef, out)
     return flat, unravel
-
-
-def padded_size(size: int, n: int, block: int, pad: bool = True, what: str = "block") -> int:
-    """`size` rounded up to a multiple of n * block (each device's shard is whole blocks)."""
-    m = n * block
-    if size % m and not pad:
-        raise ValueError(f"{what}={block} x {n} devices = {m} does not divide the gradient's "
-                         f"{size} elements; pick a block so that N*block divides it, or pass "
-                         f"pad=True (zero-pads {(-size) % m} elements, sent on the wire)")
-    return size + (-size) % m
-
-
-def _check_block(method: str, block: int) -> None:
-    if not isinstance(block, (int, np.integer)) or block < 1:
-        raise ValueError(f"block must be a positive int (elements per scale), got {block!r}")
-    if method == "sign" and block % 8:
-        raise ValueError(f"sign compression packs 8 signs per byte: block must be a multiple "
-                         f"of 8, got block={block}; use e.g. block={8 * max(1, block // 8)}")
-
-
-def _check_k(k, size: int, name: str = "k") -> int:
-    if not isinstance(k, (int, np.integer)) or not 1 <= k <= size:
-        raise ValueError(f"{name} must be an int in [1, {size}] (the gradient has {size} "
-                         f"elements), got {name}={k!r}; e.g. k = max(1, int(0.01 * {size}))")
-    return int(k)
 
 
 def invariant_all_gather(x, axes, **kw):
@@ -289,11 +251,6 @@ def threshold_mean(x, residual, axes, threshold: float, k: int, *, value_dtype=j
 # ---------------------------------------------------------------------------------------------
 # one entry point, its state, the state's layout
 # ---------------------------------------------------------------------------------------------
-def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown compression method {method!r}; valid: {', '.join(METHODS)}")
-
-
 def compressed_mean(method: str, grads, state, axes, **params):
     """Dispatch: returns (mean of grads over axes, new state); state None for stateless methods.
     params: block, pad (casts, sign); k, value_dtype, error_feedback (topk); threshold, k
@@ -348,63 +305,8 @@ def state_specs(state, axes):
 
 
 # ---------------------------------------------------------------------------------------------
-# bytes: the formulas a census is compared to
+# the global-array wrapper
 # ---------------------------------------------------------------------------------------------
-def _shapes(shape) -> list[tuple[int, ...]]:
-    if len(shape) and all(isinstance(s, (int, np.integer)) for s in shape):
-        return [tuple(int(s) for s in shape)]
-    return [tuple(int(d) for d in s) for s in shape]
-
-
-def collectives(method: str, shape, n_devices: int, axes=("dp",), **params) -> list[Comm]:
-    """The collectives one compressed mean puts in the compiled program, per device, in the
-    census's convention (`bytes`: all-reduce buffer, all-gather output, all-to-all buffer).
-    `shape`: one gradient shape, or a list of them (a pytree's leaves)."""
-    _check_method(method)
-    shapes, n, axes = _shapes(shape), int(n_devices), check_axes(axes)
-    if n < 1:
-        raise ValueError(f"n_devices must be >= 1, got {n_devices}")
-    size = sum(math.prod(s) for s in shapes)
-    c = lambda kind, nbytes, what: Comm(kind, axes, float(nbytes), 1, what, n)
-    if method == "powersgd":
-        return [c(kind, b, what) for kind, b, what in powersgd.collectives(shapes, params["rank"])]
-    if method == "fp32":
-        return [c("all-reduce", 4 * size, "fp32 gradient")]
-    if method in ("topk", "threshold"):
-        k = _check_k(params["k"], size)
-        v = jnp.dtype(params.get("value_dtype", jnp.float32)).itemsize
-        return [c("all-gather", n * k * v, "top-k values"), c("all-gather", n * k * 4, "indices")]
-    block = 1 if method == "bf16" else params.get("block", 256)
-    _check_block(method, block)
-    lp = padded_size(size, n, block, params.get("pad", True))
-    per_elem = {"bf16": 2, "fp8": 1, "int8": 1, "sign": 1 / 8}[method]
-    rows = [c("all-to-all", lp * per_elem, f"{method} shards"),
-            c("all-gather", lp * per_elem, f"{method} mean")]
-    if method != "bf16":
-        rows += [c("all-to-all", 4 * lp // block, "scales"), c("all-gather", 4 * lp // block,
-                                                                  "scales")]
-    return rows
-
-
-def wire_bytes(method: str, shape, n_devices: int, **params) -> int:
-    """Bytes each device puts on its link per step with bandwidth-optimal (ring) collectives:
-    the census's `wire_bytes` summed. fp32: 2(N-1)/N 4L; int8: 2(N-1)/N (L + 4L/B);
-    top-k: (N-1) k (4 + v); PowerSGD: 2(N-1)/N (n + m) r 4."""
-    return int(round(sum(c.wire_bytes for c in collectives(method, shape, n_devices, **params))))
-
-
-def payload_bytes(method: str, shape, n_devices: int, **params) -> int:
-    """The compressed gradient one device contributes per step: fp32 4L; int8/fp8 L + 4L/B;
-    bf16 2L; sign L/8 + 4L/B (padded L); top-k k (4 + v); PowerSGD (n + m) r 4 per matrix
-    (+ 4 x size of the vectors)."""
-    rows = collectives(method, shape, n_devices, **params)
-    if method == "fp32" or method == "powersgd":
-        return int(sum(c.bytes for c in rows))
-    if method in ("topk", "threshold"):
-        return int(sum(c.bytes for c in rows) // n_devices)
-    return int(sum(c.bytes for c in rows if c.kind == "all-gather"))
-
-
 def per_device_mean(method: str, mesh, axes, **params):
     """Global-array wrapper (tests, experiments, and the layout a train step follows): returns
     jit(fn(grads_n, state_n) -> (mean, state_n)) where every leaf of grads_n and state_n has a

@@ -21,11 +21,12 @@ Q, almost surely). A rank that leaves no matrix to compress is refused.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxscale.strategies.compression.formulas import _check_rank, is_matrix
 
 
 class State(NamedTuple):
@@ -34,22 +35,6 @@ class State(NamedTuple):
     the gradient's shape)."""
     q: object
     residual: object
-
-
-def is_matrix(shape, rank: int) -> bool:
-    """Whether a leaf of this shape is compressed at this rank (its last two dims both > rank)."""
-    return len(shape) >= 2 and min(shape[-2:]) > rank
-
-
-def _check_rank(shapes, rank: int, where: str) -> None:
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"PowerSGD rank must be an int >= 1, got rank={rank!r}")
-    mats = [tuple(s) for s in shapes if len(s) >= 2]
-    if mats and not any(is_matrix(s, rank) for s in mats):
-        top = max(min(s[-2:]) for s in mats)
-        raise ValueError(f"PowerSGD rank={rank} exceeds the matrix dimension of every {where} "
-                         f"(shapes {mats[:3]}{' ...' if len(mats) > 3 else ''}: at most rank "
-                         f"{top - 1} compresses one); lower the rank to <= {top - 1}")
 
 
 def init(grads, rank: int, *, key) -> State:
@@ -119,19 +104,3 @@ def powersgd_mean(grads, state: State, axes, rank: int):
         out[i] = summed[len(mats) + j].reshape(g_leaves[i].shape).astype(g_leaves[i].dtype)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(out), State(unflat(qs), unflat(res))
-
-
-def collectives(shapes, rank: int) -> list[tuple[str, int, str]]:
-    """(kind, bytes, what) of one step: all-reduce #1 = P's of all matrices + the vectors,
-    all-reduce #2 = Q's, fp32."""
-    p_bytes = q_bytes = vec_bytes = 0
-    _check_rank(shapes, rank, "gradient")
-    for s in shapes:
-        if is_matrix(s, rank):
-            b = math.prod(s[:-2])
-            p_bytes += 4 * b * s[-2] * rank
-            q_bytes += 4 * b * s[-1] * rank
-        else:
-            vec_bytes += 4 * math.prod(s)
-    rows = [("all-reduce", p_bytes + vec_bytes, "P [n, r] (+ uncompressed vectors)")]
-    return rows + ([("all-reduce", q_bytes, "Q [m, r]")] if q_bytes else [])

@@ -144,15 +144,15 @@ def reference_matmul_reduce_scatter(eq: str, x, w, axis: str, *, out_seq: int = 
 
 
 # ----------------------------------------------------------------------------- the projection
-def _seq_dim(names, logical: str, spec, site: str, what: str) -> int:
+def _seq_dim(names, logical: str, partition, site: str, what: str) -> int:
     """The dimension of `logical` in an operand, which must end in tp (and only there)."""
     if logical not in names:
         raise ValueError(f"collective matmul at {site}: its {what} has no {logical!r} axis "
                          f"(logical axes {names})")
     d = names.index(logical)
-    axes = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
+    axes = partition[d] if isinstance(partition[d], tuple) else (partition[d],)
     if axes[-1:] != ("tp",):
-        raise ValueError(f"collective matmul at {site}: its {what} {names} is sharded {spec}, "
+        raise ValueError(f"collective matmul at {site}: its {what} {names} is sharded {partition}, "
                          f"not over tp on {logical!r}: set plan.sequence_parallel=true")
     return d
 

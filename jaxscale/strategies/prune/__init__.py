@@ -96,7 +96,7 @@ def problems(spec) -> list[str]:
         for leaf in pruned_leaves(spec.model):
             ax = _group_axis(leaf.axes)
             dim, name = leaf.shape[ax], leaf.axes[ax]
-            entries = tuple(target_spec(spec, leaf)) + (None,) * len(leaf.shape)
+            entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
             split = math.prod(spec.deg(a) for a in _entry_axes(entries[ax]))
             if dim % m:
                 errs.append(f"plan.prune={n}:{m} groups {m} consecutive weights along "
@@ -115,7 +115,7 @@ def rules(spec, rules) -> None:
     """Pruning adds no sharding rule."""
 
 
-def target_spec(spec, leaf):
+def target_partition(spec, leaf):
     """The mesh PartitionSpec of what is pruned for this leaf: the fp32 master (ZeRO-1+: also
     split over dp) with mixed precision, else the working parameters (ZeRO-3: split over dp)."""
     model = spec.rules.spec(leaf.axes)
@@ -134,7 +134,7 @@ def collectives(spec) -> list[Comm]:
     item = 4 if spec.mixed else spec.wire_param_itemsize
     out: dict[tuple, list] = {}
     for leaf in pruned_leaves(spec.model):
-        entries = tuple(target_spec(spec, leaf)) + (None,) * len(leaf.shape)
+        entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
         axes = _own_split(leaf.axes, entries, spec.degrees)
         if not axes:
             continue

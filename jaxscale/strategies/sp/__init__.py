@@ -2,11 +2,11 @@
 
 Rules: `norm_seq` (the residual stream's sequence, between the attention and MLP regions) over
 tp with `plan.sequence_parallel`, over sp (then tp) with `mesh.sp > 1`; `seq` (the attention and
-MLP regions) over sp. The attention of a sequence split over sp runs in `kernels/context.py`,
-the method named by `plan.context`: this module registers ring, Ulysses and all-gather attention
-(`context.py`) for the model's `context` seam (`jaxscale.hooks`) and names the plan's in its rules.
-The ring's zig-zag layout is applied to the batch inside the step (`batch_layout`, the step's
-`batch_view`).
+MLP regions) over sp. The attention of a sequence split over sp runs in `context.py` (ring and
+all-gather in `ring.py`), the method named by `plan.context`: this module registers ring, Ulysses
+and all-gather attention (`context.py`) for the model's `context` seam (`jaxscale.hooks`) and
+names the plan's in its rules. The ring's zig-zag layout is applied to the batch inside the step
+(`batch_layout`, the step's `batch_view`).
 
 Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
 stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp

@@ -4,7 +4,7 @@ A layout is a permutation of a sequence's tokens applied once at the data side; 
 holds a contiguous slice of the permuted sequence. `zigzag` cuts the sequence into 2·sp chunks and
 gives shard r chunks r and 2sp-1-r (equal causal work per shard); `contiguous` gives shard r
 chunk r. `hop_pairs` says which (query rows, key rows) of a shard meet a visiting shard's keys on
-a ring hop; `ring_work` counts the tiles each shard visits (`kernels/context.py` runs them).
+a ring hop; `ring_work` counts the tiles each shard visits (`ring.py` runs them).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.kernels.blockwise import tile_schedule
+from jaxscale.kernels.tiles import tile_map
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -93,7 +93,7 @@ def ring_work(T: int, sp: int, *, layout: str = "zigzag", causal: bool = True,
         for s in range(sp):
             pair = own if s == 0 else before if (r - s) % sp < r else after
             if pair is not None:
-                n += tile_schedule(pair.q1 - pair.q0, pair.k1 - pair.k0, block_q, block_k,
-                                   causal=pair.causal).visited
+                n += tile_map(pair.q1 - pair.q0, pair.k1 - pair.k0, block_q, block_k,
+                              causal=pair.causal).visited
         out.append(n)
     return out
