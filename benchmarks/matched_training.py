@@ -45,9 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.comm.torch_bench import TorchFailure, TorchJob, _free_port
-
 from jaxscale.benchmarks.matched_report import format_collectives, format_table, plot  # noqa: E402,F401
+from jaxscale.comm.torch_bench import TorchFailure, TorchJob, _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = {"dp": ("DDP", "jaxscale DP"), "fsdp": ("FSDP2", "jaxscale FSDP"),
@@ -88,8 +87,12 @@ class Trainer:
     def __init__(self, spec: dict, rank: int, world: int, device):
         import torch
 
-        from jaxscale.benchmarks.torch_llama import (AdamWLikeOptax, TorchLlama, TorchLlamaConfig,
-                                            parallelize)
+        from jaxscale.benchmarks.torch_llama import (
+            AdamWLikeOptax,
+            TorchLlama,
+            TorchLlamaConfig,
+            parallelize,
+        )
         self.mode, self.device, self.world = spec["mode"], device, world
         model = TorchLlama(TorchLlamaConfig(**spec["model"]))
         with np.load(spec["init"]) as init:
@@ -253,6 +256,7 @@ def global_batches(cfg, steps: int) -> dict[str, np.ndarray]:
 
 def initial_params(cfg):
     import jax
+
     from jaxscale.train.state import FunctionalModel
     return jax.device_get(jax.jit(FunctionalModel(cfg.model).init)(
         jax.random.key(cfg.train.seed)))
@@ -299,8 +303,8 @@ def _run_one(job, mode, base_cfg, world, steps, init, data, tmp, warmup, chunk, 
              wait_ready, log) -> dict:
     import jax
 
-    from jaxscale.benchmarks.torch_llama import TorchLlamaConfig
     from jaxscale.analysis.inspect import census, memory
+    from jaxscale.benchmarks.torch_llama import TorchLlamaConfig
     from jaxscale.train.setup import build
     from jaxscale.train.state import TrainState, state_bytes
     cfg = pair_config(base_cfg, mode, world, hsdp_dp)

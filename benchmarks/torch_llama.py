@@ -205,8 +205,11 @@ def parallelize(model, mode: str, world: int, device_type: str, hsdp_dp: int = 2
         return model
     if mode == "tp":
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
         if model.cfg.tie_embeddings:
             raise ValueError("the DTensor TP baseline needs an untied head "
                              "(model.tie_embeddings=0)")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import sys
 import textwrap
-import tomllib
 from collections import Counter
 from pathlib import Path
 
 import matplotlib
+import tomllib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

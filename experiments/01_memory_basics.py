@@ -25,15 +25,18 @@ from __future__ import annotations
 import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxscale import hardware  # noqa: E402
+from jaxscale import (
+    hardware,  # noqa: E402
+    models,  # noqa: E402
+)
 from jaxscale.analysis import inspect
 from jaxscale.kernels.reference import reference_attention  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
-from jaxscale import models  # noqa: E402
 
 RUNS = [("tiny", 2, ("plan.precision=fp32",)), ("tiny", 2, ("plan.precision=bf16",)),
         ("tiny", 2, ("plan.precision=bf16", "plan.zero=3")),

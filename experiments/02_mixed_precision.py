@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

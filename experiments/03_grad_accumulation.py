@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -39,8 +40,8 @@ from jaxscale import models  # noqa: E402
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
 from jaxscale.strategies import remat  # noqa: E402
-from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.grads import token_loss  # noqa: E402
+from jaxscale.train.setup import build  # noqa: E402
 
 POLICIES = ("none", "save_dots", "save_attention_out", "full")
 L, B, S = 3, 2, 128          # L != B: stacked residuals are told apart by their leading dim

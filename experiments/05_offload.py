@@ -33,22 +33,27 @@ state lives and how many bytes move, not how long they take.) Writes offload.png
 """
 from __future__ import annotations
 
-import time
-
 import re  # noqa: E402
+import time
 from collections import Counter  # noqa: E402
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import models  # noqa: E402
-from jaxscale import hardware, planner  # noqa: E402
-from jaxscale.analysis import inspect
-from jaxscale.plan import Spec  # noqa: E402
-from jaxscale.analysis import validation  # noqa: E402
-from jaxscale.strategies import offload as offload_lib  # noqa: E402
+from jaxscale import (  # noqa: E402
+    hardware,
+    models,  # noqa: E402
+    planner,
+)
+from jaxscale.analysis import (
+    inspect,
+    validation,  # noqa: E402
+)
 from jaxscale.data import Batches, load_corpus  # noqa: E402
+from jaxscale.plan import Spec  # noqa: E402
+from jaxscale.strategies import offload as offload_lib  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 OFFLOADS = ("none", "optimizer", "optimizer+master", "params")

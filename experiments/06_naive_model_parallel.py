@@ -30,11 +30,11 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale import plan, planner
-from jaxscale.strategies.pp import schedules as ps  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.analysis.validation import tiny_config  # noqa: E402
 from jaxscale.strategies.pp import program  # noqa: E402
+from jaxscale.strategies.pp import schedules as ps  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 B, T, L = 16, 32, 4

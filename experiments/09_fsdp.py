@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 
 from _common import pyplot, savefig  # first: 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 
 from jaxscale import models  # noqa: E402
-from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
-                             apply_overrides)
 from jaxscale.analysis.inspect import report  # noqa: E402
+from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
 

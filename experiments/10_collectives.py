@@ -21,6 +21,7 @@ import argparse
 import sys
 
 import _common  # noqa: F401  first: 8 simulated devices before jax is imported
+
 from jaxscale.comm import algorithm_cost as C
 from jaxscale.comm import bench, bench_sweep
 

@@ -33,8 +33,8 @@ CM.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.analysis import inspect, windows  # noqa: E402
 from jaxscale import plan
+from jaxscale.analysis import inspect, windows  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import overlap  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402

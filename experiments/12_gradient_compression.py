@@ -23,7 +23,8 @@ CM.cpu_only()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.strategies.compression import formulas as F  # noqa: E402

@@ -17,9 +17,9 @@ shows the fast worker's share of the updates. Writes async_sgd.png.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import _common as C
+
+import numpy as np
 
 from jaxscale.comm import async_sgd as A
 

@@ -32,11 +32,11 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale import plan
-from jaxscale.strategies.local_sgd import averaging as L  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import local_sgd  # noqa: E402
+from jaxscale.strategies.local_sgd import averaging as L  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 SEQ, BATCH, EVAL_EVERY, EVAL_BATCHES, WARMUP = 64, 32, 32, 4, 48

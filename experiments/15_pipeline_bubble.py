@@ -67,8 +67,8 @@ def compiled_rows() -> list[dict]:
     """Compile each (schedule, m) plan on pp=2 x fsdp=4 once; memory and pp census vs theory."""
     import _common  # noqa: F401  (8 simulated devices, before jax is imported)
     _common.cpu_only()
-    from jaxscale.analysis import inspect
     from jaxscale import plan, planner
+    from jaxscale.analysis import inspect
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.strategies import pp
     from jaxscale.strategies.pp.program import program_for

@@ -35,17 +35,25 @@ import json
 import sys
 from pathlib import Path
 
-from _common import cpu_only, first_loss, pyplot, savefig  # first: 8 simulated devices before jax is imported
+from _common import (  # first: 8 simulated devices before jax is imported
+    cpu_only,
+    first_loss,
+    pyplot,
+    savefig,
+)
 
 cpu_only()
 
-from jaxscale import models  # noqa: E402
-from jaxscale import hardware, planner  # noqa: E402
+from jaxscale import (  # noqa: E402
+    hardware,
+    models,  # noqa: E402
+    planner,
+)
 from jaxscale.config import Config, DataConfig, apply_overrides  # noqa: E402
 from jaxscale.mesh import MeshConfig  # noqa: E402
 from jaxscale.planner import gpt  # noqa: E402
-from jaxscale.strategies import pp  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
+from jaxscale.strategies import pp  # noqa: E402
 
 GB = 1e9
 
@@ -121,8 +129,7 @@ def compiled_plans():
 
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    from jaxscale.analysis import inspect
-    from jaxscale.analysis import validation
+    from jaxscale.analysis import inspect, validation
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.strategies.pp import bubble_fraction
     out, refs = {}, {}

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import numpy as np  # noqa: E402
 
 from jaxscale.analysis.profiling import format_table, profile  # noqa: E402

@@ -25,12 +25,13 @@ from __future__ import annotations
 import time
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.analysis.inspect import donation_report, memory  # noqa: E402
+from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import state_bytes  # noqa: E402
 

@@ -40,14 +40,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies.prune import masks as M  # noqa: E402
 from jaxscale.strategies.qat import ptq as Q  # noqa: E402
 from jaxscale.strategies.tables.params import contracted_axes  # noqa: E402
 from jaxscale.train import distill as distill_lib  # noqa: E402
-from jaxscale.data import Batches, load_corpus  # noqa: E402
+from jaxscale.train.grads import token_loss  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 from jaxscale.train.state import FunctionalModel  # noqa: E402
-from jaxscale.train.grads import token_loss  # noqa: E402
 
 SEQ, BATCH, EVAL_ROWS = 64, 16, 128
 TEACHER_STEPS, FT_STEPS, KD_STEPS, QAT_STEPS = 150, 30, 100, 60

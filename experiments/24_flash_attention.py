@@ -57,6 +57,7 @@ def attention_memory(impl: str, T: int, B=1, H=4, D=64, causal=True) -> dict:
 
 def llama_step_memory(impl: str, T: int, B: int = 1) -> dict:
     import flax.nnx as nnx
+
     from jaxscale.models import Llama, get
     cfg = dataclasses.replace(get("tiny"), attention=impl, max_seq_len=T)
     abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))

@@ -230,9 +230,9 @@ def _save_teacher(s, state, out) -> str:
     import shutil
     from pathlib import Path
 
+    from jaxscale import config as config_lib
     from jaxscale.train import checkpoint as ckpt_lib
     from jaxscale.train import checkpoint_meta as ckpt_meta
-    from jaxscale import config as config_lib
     d = Path(out) / "teacher"
     shutil.rmtree(d, ignore_errors=True)
     ck = ckpt_lib.Checkpointer(d / "checkpoints", config_lib.CheckpointConfig(async_save=False))

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from _common import pyplot, savefig  # first: 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 
 from jaxscale import models  # noqa: E402

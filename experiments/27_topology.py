@@ -19,9 +19,9 @@ all-reduce (its network flows stay on one rail). Writes topology.png.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import _common as C
+
+import numpy as np
 
 from jaxscale.comm import topology as T
 

@@ -42,9 +42,9 @@ cpu_only()      # part 2's training subprocesses inherit JAX_PLATFORMS
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxscale import config as config_lib  # noqa: E402
 from jaxscale.train import checkpoint as ckpt_lib  # noqa: E402
 from jaxscale.train import checkpoint_meta as ckpt_meta  # noqa: E402
-from jaxscale import config as config_lib  # noqa: E402
 from jaxscale.train import setup as setup_lib  # noqa: E402
 
 MiB = 2 ** 20

@@ -32,13 +32,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale import planner
-from jaxscale.planner import report, search  # noqa: E402
-from jaxscale.planner.report import nbytes  # noqa: E402
+from jaxscale.analysis import inspect  # noqa: E402
+from jaxscale.analysis.validation import tiny_config  # noqa: E402
 from jaxscale.axes import MESH_AXES  # noqa: E402
 from jaxscale.plan import OPTIONS, Spec, unavailable  # noqa: E402
-from jaxscale.analysis.validation import tiny_config  # noqa: E402
+from jaxscale.planner import report, search  # noqa: E402
+from jaxscale.planner.report import nbytes  # noqa: E402
 
 BASE = ("model.n_layers=4", "data.seq_len=64", "data.batch_size=16")
 

@@ -34,9 +34,11 @@ import json
 import sys
 from pathlib import Path
 
-from jaxscale import meshes  # noqa: E402
-from jaxscale import models  # noqa: E402
-from jaxscale import planner  # noqa: E402
+from jaxscale import (
+    meshes,  # noqa: E402
+    models,  # noqa: E402
+    planner,  # noqa: E402
+)
 from jaxscale.config import Config, DataConfig  # noqa: E402
 from jaxscale.plan import Spec  # noqa: E402
 from jaxscale.planner import search  # noqa: E402
@@ -171,6 +173,7 @@ def _plot(steps, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from jaxscale.planner.memory import ROWS
     from jaxscale.planner.report import COLORS
     fig, ax = plt.subplots(figsize=(10, 4.8))

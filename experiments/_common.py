@@ -21,10 +21,11 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
-from jaxscale import meshes  # noqa: E402
-from jaxscale import models  # noqa: E402
-from jaxscale.config import (Config, DataConfig, OptimConfig, TrainConfig,  # noqa: E402
-                             apply_overrides)
+from jaxscale import (
+    meshes,  # noqa: E402
+    models,  # noqa: E402
+)
+from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides  # noqa: E402
 
 MiB = 2 ** 20
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
@@ -129,6 +130,7 @@ def first_loss(cfg, high: int | None = None) -> float:
     token ids below `high` (default: the vocabulary size)."""
     import jax
     import numpy as np
+
     from jaxscale.train.setup import build
     s = build(cfg, donate=False)
     rng = np.random.default_rng(0)
@@ -146,7 +148,8 @@ def grad_bytes(setup) -> int:
     dtype and in the sharding the plan keeps them (ZeRO-2/3: sharded over dp): the output size of
     a compiled gradient program."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxscale.analysis import inspect
     from jaxscale.axes import use_rules

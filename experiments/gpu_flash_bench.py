@@ -356,7 +356,7 @@ def compile_report(args) -> None:
     except ImportError:
         sys.exit("gpu_flash_bench --compile-report needs the triton package (pip install triton; "
                  "no GPU needed)")
-    from jax._src.pallas.triton import pallas_call_registration as reg   # private, may move
+    from jax._src.pallas.triton import pallas_call_registration as reg  # private, may move
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     lower, captured = reg.lowering.lower_jaxpr_to_triton_module, []
 

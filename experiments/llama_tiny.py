@@ -4,8 +4,7 @@ machine's Python standard library sources with a byte-level tokenizer.
     jaxscale train llama_tiny              # ~3 minutes on 2 CPU cores
     jaxscale inspect llama_tiny --json     # compile only: memory, collective census, FLOPs, theory
 """
-from jaxscale import meshes
-from jaxscale import models
+from jaxscale import meshes, models
 from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig
 
 

@@ -44,10 +44,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale import planner
-from jaxscale.analysis import validation  # noqa: E402
+from jaxscale.analysis import (
+    inspect,  # noqa: E402
+    validation,  # noqa: E402
+)
 from jaxscale.analysis.validation import CASES, tiny_config  # noqa: E402
+
 
 def live_peak(prefix: str) -> int:
     """The most bytes of temporaries alive at once: the values of XLA's preallocated temp buffer

@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale.data import shards, tokenizer  # noqa: E402
-from jaxscale.data import corpus_files, make_batches  # noqa: E402
+from jaxscale.data import corpus_files, make_batches, shards, tokenizer  # noqa: E402  # noqa: E402
 from jaxscale.data.documents import is_heldout  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 

@@ -19,7 +19,6 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-
 #: Mesh axes, outer (slowest link) to inner (fastest link). Nothing else invents axis names.
 MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 

@@ -115,6 +115,7 @@ def _human(n: float) -> str:
 def cmd_tokenizer(args) -> int:
     """`jaxscale tokenizer train`: a byte-level BPE on local text, saved as tokenizer.json."""
     import time
+
     from jaxscale import data, fields
     from jaxscale.data import documents, tokenizer
     fields.raise_problems(data.source_problems(args.source) + [

@@ -14,20 +14,19 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxscale import fields
-from jaxscale import meshes
-from jaxscale import models
+from jaxscale import fields, meshes, models
 from jaxscale.data.documents import FORMATS
 from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
 from jaxscale.strategies.compression import METHODS as COMPRESSIONS
 from jaxscale.strategies.local_sgd import METHODS as LOCAL_SGD
+from jaxscale.strategies.overlap import MODES as TP_OVERLAPS
+from jaxscale.strategies.overlap import XLA_PRESETS
 from jaxscale.strategies.pp import SCHEDULES
 from jaxscale.strategies.precision import PRECISIONS
 from jaxscale.strategies.qat import METHODS as QAT_METHODS
 from jaxscale.strategies.sp import CONTEXTS
-from jaxscale.strategies.overlap import MODES as TP_OVERLAPS, XLA_PRESETS
 
 # Every field states its valid values next to its default (`jaxscale.fields`); `check(cfg)`
 # reports every violation at once, before anything is compiled, read or written.

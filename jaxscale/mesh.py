@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxscale.axes import MESH_AXES

@@ -33,9 +33,25 @@ from dataclasses import dataclass, field, replace
 from jaxscale import hardware
 from jaxscale.axes import MESH_AXES, Rules
 from jaxscale.fields import raise_problems
-from jaxscale.strategies import (accumulate, compression, dp, ep, fsdp, local_sgd, offload,
-                                 overlap, pp, precision, prune, qat, remat, sp, sparse_embedding,
-                                 tp, zero)
+from jaxscale.strategies import (
+    accumulate,
+    compression,
+    dp,
+    ep,
+    fsdp,
+    local_sgd,
+    offload,
+    overlap,
+    pp,
+    precision,
+    prune,
+    qat,
+    remat,
+    sp,
+    sparse_embedding,
+    tp,
+    zero,
+)
 from jaxscale.strategies.common import StepParts
 
 #: every strategy, in the order their problems, rules, collectives, memory terms and step parts
@@ -299,13 +315,15 @@ class Placement:
         return NamedSharding(self.mesh, self.rules.spec(logical))
 
     def replicated(self):
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         return NamedSharding(self.mesh, P())
 
 
 def validate(cfg, n_devices: int) -> Spec:
     """Resolve the mesh and check the whole config against it; raise one error listing all."""
     import jax
+
     from jaxscale import config as config_lib
     raise_problems(config_lib.check(cfg))      # every field and relation between fields first
     spec = Spec.from_config(cfg, n_devices)
@@ -319,6 +337,7 @@ def validate(cfg, n_devices: int) -> Spec:
 
 def place(cfg, devices=None) -> Placement:
     import jax
+
     from jaxscale.mesh import make_mesh
     devices = list(devices if devices is not None else jax.devices())
     spec = validate(cfg, len(devices))

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.hooks.attention import IMPLEMENTATIONS, attention
 from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
+from jaxscale.hooks.attention import IMPLEMENTATIONS, attention
 from jaxscale.hooks.projection import project, scanned_inputs, with_layer_input
-from jaxscale.models.moe import MoE, summarise
 from jaxscale.models.layers import RMSNorm, apply_rope, embed_lookup, param, rope_frequencies
+from jaxscale.models.moe import MoE, summarise
 
 DTYPES = ("float32", "bfloat16", "float16")
 

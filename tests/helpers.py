@@ -3,7 +3,6 @@ import os
 
 from jaxscale.analysis.validation import PLANS, tiny_config  # noqa: F401  (the validation set)
 
-
 MESH_1 = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")
 
 

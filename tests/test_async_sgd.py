@@ -19,7 +19,7 @@ def test_divergence_step_size_is_the_stability_bound(delay):
 
 def test_bound_values_and_zero_delay_is_gradient_descent():
     assert [round(A.stable_lr(1.0, k), 4) for k in (0, 1, 2)] == [2.0, 1.0, 0.618]
-    x, rng = QUAD.init(), np.random.default_rng(0)
+    x = QUAD.init()
     for _ in range(5):
         x = x - 0.5 * QUAD.grad(x)
     assert A.delayed_sgd(QUAD, 0.5, 0, 5)[-1] == pytest.approx(QUAD.loss(x))

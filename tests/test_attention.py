@@ -11,11 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from jaxscale.hooks.attention import AUTO_XLA_MAX_SCORES, IMPLEMENTATIONS, attention, resolve
-from jaxscale.kernels.blockwise import (blockwise_attention, finalize, init_carry,
-                                        online_softmax_step)
+from jaxscale.kernels.blockwise import (
+    blockwise_attention,
+    finalize,
+    init_carry,
+    online_softmax_step,
+)
 from jaxscale.kernels.flash_attention import BlockSizes, flash_attention, visited_tiles
 from jaxscale.kernels.reference import reference_attention
 from jaxscale.kernels.tiles import BlockSparseMask, tile_map, tile_mask
@@ -296,7 +301,9 @@ def test_gpu_bench_refuses_on_cpu_and_smoke_runs(tmp_path):
 def test_pallas_under_sharding_rules_runs_per_shard():
     """Under use_rules, pallas runs in shard_map over batch (dp) and heads (tp): results equal
     xla's and the compiled program gathers nothing (GSPMD alone would replicate the kernel)."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jaxscale.axes import Rules, use_rules
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = Rules().add("batch", "dp", "test").add("heads", "tp", "test").add("kv_heads", "tp",

@@ -265,10 +265,11 @@ def test_model_validate_reports_ranges_without_dividing_by_zero():
 def _hf_dir(path, sharded=False):
     """A small LLaMA directory (config.json + safetensors) without torch."""
     from safetensors.numpy import save_file
-    from jaxscale.interop import hf
+
+    from jaxscale.interop import hf, hf_config
     cfg = ModelConfig(vocab_size=320, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
+    (path / "config.json").write_text(json.dumps(hf_config.config_to_hf(cfg)))
     tensors = {"model.embed_tokens.weight": np.zeros((320, 32), np.float32),
                "model.norm.weight": np.ones((32,), np.float32)}
     if sharded:

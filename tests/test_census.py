@@ -74,6 +74,7 @@ def _report(plan):
 
 def _grad_bytes(rep_cfg_plan):
     import math
+
     from jaxscale.train.state import FunctionalModel
     return sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(FunctionalModel(
         tiny_config(*PLANS[rep_cfg_plan], "model.n_kv_heads=8").model).abstract_params))

@@ -18,11 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale.cli import main
 from jaxscale.data import Batches, load_corpus
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train import setup as setup_lib
 from tests.helpers import SMALL_ARGS, subprocess_env
 

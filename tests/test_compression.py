@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.analysis import inspect
 from jaxscale.strategies.compression import formulas as F
@@ -293,8 +294,8 @@ def _step_losses(*overrides, steps=3):
 
 
 def test_plan_compression_trains_and_its_census_is_the_formula():
-    from jaxscale.analysis import inspect
     from jaxscale import plan
+    from jaxscale.analysis import inspect
     ref, _, _ = _step_losses()
     int8, _, s = _step_losses("plan.compression=int8")
     np.testing.assert_allclose(int8, ref, rtol=2e-4)

@@ -12,16 +12,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import Rules, use_rules
 from jaxscale.analysis.inspect import census
+from jaxscale.axes import Rules, use_rules
 from jaxscale.kernels.reference import reference_attention
 from jaxscale.mesh import MeshConfig, make_mesh
 from jaxscale.strategies.sp.context import collective_counts, context_attention
-from jaxscale.strategies.sp.seq_layout import (from_layout, hop_pairs, layout_permutation,
-                                               layout_positions, ring_work, to_layout,
-                                               zigzag_permutation)
+from jaxscale.strategies.sp.seq_layout import (
+    from_layout,
+    hop_pairs,
+    layout_permutation,
+    layout_positions,
+    ring_work,
+    to_layout,
+    zigzag_permutation,
+)
 
 D = 8
 ALL = ("ring", "ulysses", "allgather")

@@ -21,6 +21,7 @@ import pytest
 
 from jaxscale.kernels import flash_attention as fa
 from jaxscale.kernels import flash_forward
+from jaxscale.kernels import flash_tuning as ft
 from jaxscale.kernels.tiles import BlockSparseMask, tile_map
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,24 +45,24 @@ TABLE = {"format": 1, "sweeps": [], "entries": [
 
 
 def test_packaged_table_covers_the_common_shapes_and_says_what_it_is():
-    table = fa.load_tuning_table(fa.TUNING_TABLE)
+    table = ft.load_tuning_table(ft.TUNING_TABLE)
     assert "--tune" in table["about"]
     keys = {(e["head_dim"], e["causal"], e["dtype"]) for e in table["entries"]}
     for hd in (32, 64, 128, 256):
         assert {(hd, False, "bfloat16"), (hd, True, "bfloat16")} <= keys
     for e in table["entries"]:
-        t = fa.Tuning.from_entry(e)
+        t = ft.Tuning.from_entry(e)
         t.block_sizes().fit(1 << 16, 1 << 16, None)            # powers of two >= 16
         assert e["source"].startswith(("default", "sweep")), e["source"]
-        assert all(getattr(t, k).num_warps in (1, 2, 4, 8, 16) for k in fa.KERNELS)
+        assert all(getattr(t, k).num_warps in (1, 2, 4, 8, 16) for k in ft.KERNELS)
         if e["source"].startswith("sweep"):
             assert e["timings"]["fwd_ms"] > 0 and table["sweeps"]
 
 
 def test_lookup_picks_the_entry_for_head_dim_causality_and_dtype():
-    pick = functools.partial(fa.lookup_tuning, table=TABLE)
-    assert pick(32, True, jnp.bfloat16).fwd == fa.KernelConfig(16, 32, 2, 1)
-    assert pick(32, False, jnp.bfloat16).fwd == fa.KernelConfig(32, 16, 4, 2)
+    pick = functools.partial(ft.lookup_tuning, table=TABLE)
+    assert pick(32, True, jnp.bfloat16).fwd == ft.KernelConfig(16, 32, 2, 1)
+    assert pick(32, False, jnp.bfloat16).fwd == ft.KernelConfig(32, 16, 4, 2)
     assert pick(20, True, jnp.bfloat16).fwd.block_k == 32        # bucket: next power of two
     assert pick(64, True, jnp.bfloat16).fwd.block_q == 64
     assert pick(32, True, jnp.float32).fwd.num_stages == 4        # exact dtype first
@@ -69,7 +70,7 @@ def test_lookup_picks_the_entry_for_head_dim_causality_and_dtype():
     assert t.fwd.num_warps == 2 and "nearest" in t.source
     assert pick(128, True, jnp.bfloat16).fwd.block_q == 64        # nearest head dim, same causal
     assert pick(64, False, jnp.bfloat16).fwd.block_q == 32        # causality beats head dim
-    assert "built-in fallback" in fa.lookup_tuning(64, True, jnp.bfloat16,
+    assert "built-in fallback" in ft.lookup_tuning(64, True, jnp.bfloat16,
                                                    table={"entries": []}).source
 
 
@@ -77,7 +78,7 @@ def _triton_launches(monkeypatch, tmp_path, table=TABLE, T=128, D=32, causal=Tru
     """{kernel name: (grid_x, num_warps, num_stages)} of forward+backward lowered for CUDA."""
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setenv(fa.TUNING_ENV, str(path))
+    monkeypatch.setenv(ft.TUNING_ENV, str(path))
 
     def loss(q, k, v):
         return fa.flash_attention(q, k, v, causal=causal, interpret=False, **kw).sum()
@@ -96,12 +97,12 @@ def test_kernels_launch_with_the_table_entry_unless_told_otherwise(monkeypatch, 
         "fwd": (8, 2, 1), "dq": (4, 4, 2), "dkdv": (4, 4, 2)}
     assert _triton_launches(monkeypatch, tmp_path, causal=False)["fwd"] == (4, 4, 2)
     # explicit block sizes replace the tiles, explicit launch settings replace warps/stages
-    got = _triton_launches(monkeypatch, tmp_path, block_sizes=fa.BlockSizes(64, 16, 16, 64, 16, 16),
+    got = _triton_launches(monkeypatch, tmp_path, block_sizes=ft.BlockSizes(64, 16, 16, 64, 16, 16),
                            num_warps=8)
     assert got == {"fwd": (2, 8, 1), "dq": (8, 8, 2), "dkdv": (2, 8, 2)}
     # a whole Tuning wins over the table; atomic dQ leaves no dQ kernel
-    t = fa.Tuning(fa.KernelConfig(32, 32, 4, 3), fa.KernelConfig(32, 32, 4, 3),
-                  fa.KernelConfig(32, 64, 8, 2), dq_atomic=True)
+    t = ft.Tuning(ft.KernelConfig(32, 32, 4, 3), ft.KernelConfig(32, 32, 4, 3),
+                  ft.KernelConfig(32, 64, 8, 2), dq_atomic=True)
     assert _triton_launches(monkeypatch, tmp_path, tuning=t) == {"fwd": (4, 4, 3),
                                                                  "dkdv": (2, 8, 2)}
     atomic_table = {"entries": [entry(32, True, "bfloat16", kc(16, 32, 2, 1), atomic=True)]}
@@ -109,9 +110,9 @@ def test_kernels_launch_with_the_table_entry_unless_told_otherwise(monkeypatch, 
 
 
 def test_missing_table_named_by_the_environment_is_an_error(monkeypatch, tmp_path):
-    monkeypatch.setenv(fa.TUNING_ENV, str(tmp_path / "nope.json"))
+    monkeypatch.setenv(ft.TUNING_ENV, str(tmp_path / "nope.json"))
     with pytest.raises(FileNotFoundError, match="nope.json.*JAXSCALE_FLASH_TUNING"):
-        fa.lookup_tuning(64, True, jnp.bfloat16)
+        ft.lookup_tuning(64, True, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("T,S,bq,bk,causal,window,q_offset", [
@@ -131,7 +132,7 @@ def test_loop_tables_visit_exactly_the_mapped_tiles(T, S, bq, bk, causal, window
 
 
 def test_backward_kernels_skip_causally_masked_tiles_in_their_loop_tables():
-    blocks = fa.BlockSizes(128, 64, 64, 128, 128, 64)
+    blocks = ft.BlockSizes(128, 64, 64, 128, 128, 64)
     got = fa.visited_tiles(4096, 4096, causal=True, block_sizes=blocks)
     for kernel in (got, got["dq"], got["dkdv"]):      # forward, dQ, dK/dV
         # forward/dQ: query block i visits key blocks 0..2i+1; dK/dV: key block j visits query
@@ -155,8 +156,8 @@ def test_backward_never_touches_a_masked_tile(atomic, sparse):
     tile (0 * inf = NaN even when masked); an inf in the first query block's Q reaches dK of later
     key blocks only if the dK/dV kernel visits it. GQA group of 2 heads: the group loop too."""
     B, T, H, K, D, blk = 1, 64, 2, 1, 16, 16
-    kw = dict(block_sizes=fa.BlockSizes(*[blk] * 6),
-              tuning=replace(fa.lookup_tuning(D, True, jnp.float32), dq_atomic=atomic))
+    kw = dict(block_sizes=ft.BlockSizes(*[blk] * 6),
+              tuning=replace(ft.lookup_tuning(D, True, jnp.float32), dq_atomic=atomic))
     if sparse:
         kw.update(causal=False, block_mask=BlockSparseMask.local(4, 4, 1, blk, blk, causal=True))
     f = functools.partial(fa.flash_attention, **kw)
@@ -182,24 +183,24 @@ def _bench():
 
 def test_tune_refuses_off_gpu_and_smoke_runs_tiny(tmp_path):
     bench = _bench()
-    packaged = fa.TUNING_TABLE.read_text()
+    packaged = ft.TUNING_TABLE.read_text()
     with pytest.raises(SystemExit, match="not an NVIDIA GPU.*--allow-cpu --tiny"):
         bench.main(["--tune", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not an NVIDIA GPU"):
         bench.main(["--tune", "--allow-cpu", "--out", str(tmp_path)])     # --tiny is needed too
     with pytest.raises(SystemExit, match="never writes the packaged table"):
-        bench.main(["--tune", "--allow-cpu", "--tiny", "--table", str(fa.TUNING_TABLE)])
+        bench.main(["--tune", "--allow-cpu", "--tiny", "--table", str(ft.TUNING_TABLE)])
     table_path = tmp_path / "t.json"
     bench.main(["--tune", "--allow-cpu", "--tiny", "--out", str(tmp_path / "out"),
                 "--table", str(table_path)])
-    assert fa.TUNING_TABLE.read_text() == packaged
-    table = fa.load_tuning_table(table_path)
+    assert ft.TUNING_TABLE.read_text() == packaged
+    table = ft.load_tuning_table(table_path)
     assert table["sweeps"][-1]["device_kind"] and table["sweeps"][-1]["date"]
     swept = [e for e in table["entries"] if e["source"].startswith("sweep")]
     assert [(e["head_dim"], e["causal"], e["dtype"]) for e in swept] == [(32, True, "bfloat16")]
     assert swept[0]["timings"]["rel_err"] < 2e-2 and swept[0]["timings"]["fwd_ms"] > 0
     assert len(table["entries"]) == len(json.loads(packaged)["entries"])   # others kept
-    t = fa.lookup_tuning(32, True, jnp.bfloat16, table=table)
+    t = ft.lookup_tuning(32, True, jnp.bfloat16, table=table)
     assert t.source.startswith("table d32 causal=True bfloat16: sweep")
     assert "| 32 | True |" in (tmp_path / "out" / "tune.md").read_text()
     assert json.loads((tmp_path / "out" / "flash_tuning.json").read_text()) == table

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxscale.interop import hf  # noqa: E402
 from jaxscale.axes import use_rules  # noqa: E402
+from jaxscale.interop import hf, hf_config  # noqa: E402
 from jaxscale.train.state import FunctionalModel  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_reads_only_device_slices(tmp_path):
     make_hf_model(**CASES["gqa"][0]).save_pretrained(tmp_path)
     cfg = mesh_cfg(1, 8, 1)
     ckpt = hf.Checkpoint(tmp_path)
-    model_cfg = hf.config_from_hf(ckpt.hf_config)
+    model_cfg = hf_config.config_from_hf(ckpt.hf_config)
     from jaxscale import plan as plan_lib
     placement = plan_lib.place(dataclasses.replace(cfg, model=model_cfg))
     hf.load_params(ckpt, model_cfg, FunctionalModel(model_cfg).param_shardings(placement))
@@ -126,9 +126,9 @@ def test_transformers4_style_config():
                                                 if k != "rope_type"}}}
     v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {**LLAMA3, "rope_theta": 500000.0}
-    a, b = hf.config_from_hf(v4), hf.config_from_hf(v5)
+    a, b = hf_config.config_from_hf(v4), hf_config.config_from_hf(v5)
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling.original_max_position == 16
-    assert hf.config_from_hf(hf.config_to_hf(a)) == a
+    assert hf_config.config_from_hf(hf_config.config_to_hf(a)) == a
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -142,11 +142,11 @@ def test_transformers4_style_config():
     ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
 ])
 def test_unsupported_config_named(field, value, match):
-    cfg = hf.config_to_hf(tiny_config().model)
+    cfg = hf_config.config_to_hf(tiny_config().model)
     cfg.pop("rope_parameters")
     cfg[field] = value
     with pytest.raises(ValueError, match=match.replace("[", r"\[").replace(".", r"\.")):
-        hf.config_from_hf(cfg)
+        hf_config.config_from_hf(cfg)
 
 
 def test_biased_checkpoint_rejected(tmp_path):
@@ -248,15 +248,15 @@ def test_mixtral_export_reload_identical(mixtral_dir, tmp_path):
 def test_mixtral_config_mapping():
     hfc = transformers.MixtralConfig(**MIXTRAL).to_dict()
     hfc["architectures"] = ["MixtralForCausalLM"]
-    cfg = hf.config_from_hf(hfc)
+    cfg = hf_config.config_from_hf(hfc)
     assert (cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.moe_aux_weight) == (4, 2, 48, 0.01)
-    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
-    assert hf.config_to_hf(tiny_config().model)["model_type"] == "llama"      # dense stays LLaMA
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
+    assert hf_config.config_to_hf(tiny_config().model)["model_type"] == "llama"      # dense stays LLaMA
     with pytest.raises(ValueError, match="sliding_window=4096"):
-        hf.config_from_hf({**hfc, "sliding_window": 4096})
+        hf_config.config_from_hf({**hfc, "sliding_window": 4096})
     with pytest.raises(ValueError, match="router_jitter_noise"):
-        hf.config_from_hf({**hfc, "router_jitter_noise": 0.1})
+        hf_config.config_from_hf({**hfc, "router_jitter_noise": 0.1})
     with pytest.raises(ValueError, match="model_type='llama'"):
-        hf.config_from_hf({**hfc, "model_type": "llama"})
+        hf_config.config_from_hf({**hfc, "model_type": "llama"})
     with pytest.raises(ValueError, match="moe_every=2"):
-        hf.config_to_hf(dataclasses.replace(cfg, moe_every=2, scan_layers=False))
+        hf_config.config_to_hf(dataclasses.replace(cfg, moe_every=2, scan_layers=False))

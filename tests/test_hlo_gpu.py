@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxscale.analysis import inspect, hlo, hlo_flops
+from jaxscale.analysis import hlo, hlo_flops, inspect
 from jaxscale.models.llama import ModelConfig
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "h200_train_step_0p57b.hlo.txt.gz"

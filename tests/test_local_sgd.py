@@ -4,15 +4,16 @@ exact resume mid-period, and refusals."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.analysis import inspect
 from jaxscale import plan
-from jaxscale.strategies.local_sgd import averaging as L
-from jaxscale.config import CheckpointConfig
+from jaxscale.analysis import inspect
 from jaxscale.analysis.validation import tiny_config
+from jaxscale.config import CheckpointConfig
 from jaxscale.strategies import local_sgd
+from jaxscale.strategies.local_sgd import averaging as L
+from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale.train.setup import build
 
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")

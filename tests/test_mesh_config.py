@@ -2,8 +2,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import meshes
 from jaxscale import config as C
+from jaxscale import meshes
 from jaxscale.mesh import MeshConfig, make_mesh
 from tests.helpers import tiny_config
 

@@ -4,9 +4,9 @@ import json
 import pytest
 
 from jaxscale import hardware, planner
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.cli import main
 from jaxscale.models.llama import ModelConfig
-from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import precision
 from tests.helpers import SMALL_ARGS
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxscale import models
-from jaxscale.train.state import FunctionalModel
 from jaxscale.train.grads import token_loss
+from jaxscale.train.state import FunctionalModel
 from tests.helpers import tiny_config
 
 EXPECTED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
-from jaxscale.analysis import inspect
 from jaxscale import plan, planner
+from jaxscale.analysis import inspect, validation
 from jaxscale.axes import use_rules
 from jaxscale.data import Batches, load_corpus
 from jaxscale.models import Llama, moe
 from jaxscale.strategies.tables import params as params_lib
-from jaxscale.analysis import validation
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train.setup import build
 from tests.helpers import MESH_1, tiny_config
 

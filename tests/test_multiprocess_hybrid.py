@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxscale.analysis import inspect
 from jaxscale import launch
+from jaxscale.analysis import inspect
 from jaxscale.data import Batches, load_corpus
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config

@@ -21,15 +21,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
-from jaxscale.analysis import inspect, hlo
 from jaxscale import planner
+from jaxscale.analysis import hlo, inspect, validation
 from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
-from jaxscale.analysis import validation
 from jaxscale.strategies import offload
 from jaxscale.strategies.offload import streaming
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 

@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from jaxscale.strategies.overlap import collective_matmul as cm
-from jaxscale.analysis import inspect
 from jaxscale import plan
+from jaxscale.analysis import inspect
 from jaxscale.axes import Rules
 from jaxscale.data import Batches, load_corpus
 from jaxscale.strategies import overlap
+from jaxscale.strategies.overlap import collective_matmul as cm
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config
 

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.analysis import inspect
 from jaxscale import plan, planner
+from jaxscale.analysis import inspect
 from jaxscale.strategies.pp import program
 from jaxscale.train.setup import build
 from tests.helpers import tiny_config

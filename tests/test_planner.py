@@ -7,17 +7,14 @@ import time
 import jax
 import pytest
 
-from jaxscale import meshes
-from jaxscale import models
-from jaxscale.analysis import inspect
-from jaxscale import planner
+from jaxscale import meshes, models, planner
+from jaxscale.analysis import inspect, validation
 from jaxscale.config import Config, DataConfig, apply_overrides
 from jaxscale.mesh import MeshConfig
 from jaxscale.plan import Spec
-from jaxscale.strategies.tables import activations, params
 from jaxscale.planner import gpt, memory, search
-from jaxscale.analysis import validation
 from jaxscale.strategies import pp, remat
+from jaxscale.strategies.tables import activations, params
 from tests.helpers import PLANS, tiny_config
 
 
@@ -273,8 +270,9 @@ def test_plan_command_errors(argv, msg, capsys, tmp_path):
 
 def test_cpu_capacity_is_the_hosts_share_and_auto_attention_matches():
     import jax.numpy as jnp
-    from jaxscale.hooks import attention
+
     from jaxscale import hardware
+    from jaxscale.hooks import attention
     pred = planner.predict(tiny_config())
     assert pred.capacity == hardware.get("cpu").host_bytes / 8
     for seq in (256, 4096):

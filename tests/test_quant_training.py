@@ -8,19 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MESH_1, tiny_config
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
-from jaxscale.analysis import inspect, hlo
-from jaxscale.strategies.qat import numerics
 from jaxscale import plan as plan_lib
+from jaxscale.analysis import hlo, inspect
 from jaxscale.config import check
 from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
 from jaxscale.strategies import qat
+from jaxscale.strategies.qat import numerics
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train.setup import build
-
-from helpers import MESH_1, tiny_config
 
 STEPS = 4
 MIX = ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2")

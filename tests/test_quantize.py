@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies.prune import masks as M
 from jaxscale.strategies.qat import ptq as Q
 from jaxscale.strategies.tables.params import contracted_axes, is_lookup
 from jaxscale.train import distill
-from jaxscale.analysis.validation import tiny_config
 from jaxscale.train.state import FunctionalModel
 
 #: max |logits_q - logits_fp32| / max |logits_fp32| of the tiny model (random init, 2 x 32

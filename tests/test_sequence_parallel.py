@@ -6,10 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.analysis import inspect
 from jaxscale import plan, planner
+from jaxscale.analysis import inspect, validation
 from jaxscale.data import Batches, load_corpus
-from jaxscale.analysis import validation
 from jaxscale.train.setup import build
 from tests.helpers import MESH_1, tiny_config
 from tests.test_parallel import _trajectory

@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxscale.analysis import inspect
 from jaxscale import plan
+from jaxscale.analysis import inspect
 from jaxscale.analysis.validation import tiny_config
-from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.strategies import prune, sparse_embedding
+from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.train.setup import build
 
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
@@ -155,9 +156,9 @@ def test_sparse_embedding_census_is_the_formula_and_fewer_bytes(exchanges):
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, exchanges):
     """A run directory (config.json + checkpoints/0) holding the dp8 model's initial state."""
+    from jaxscale import config as config_lib
     from jaxscale.train import checkpoint as ckpt_lib
     from jaxscale.train import checkpoint_meta as ckpt_meta
-    from jaxscale import config as config_lib
     out = tmp_path_factory.mktemp("teacher")
     s, state = exchanges["dense"][0], exchanges["init"]
     ck = ckpt_lib.Checkpointer(out / "checkpoints", config_lib.CheckpointConfig(async_save=False))

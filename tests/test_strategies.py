@@ -7,9 +7,9 @@ import json
 import pytest
 
 from jaxscale import models, plan, planner
+from jaxscale.analysis.validation import tiny_config
 from jaxscale.axes import MESH_AXES
 from jaxscale.planner import search
-from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies.common import ROWS
 
 PROTOCOL = {"active": ["spec"], "problems": ["spec"], "rules": ["spec", "rules"],

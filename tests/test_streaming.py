@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale.data import shards, tokenizer
 from jaxscale.config import Config, DataConfig, data_problems
-from jaxscale.data import make_batches
+from jaxscale.data import make_batches, shards, tokenizer
 from jaxscale.data.stream import Chunks, PackedBatches, pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +146,7 @@ def test_packed_batch_losses_equal_one_by_one(prepared):
     import jax
     import jax.numpy as jnp
     import optax
+
     from jaxscale.models.llama import ModelConfig
     from jaxscale.train.state import FunctionalModel
     out, _ = prepared
@@ -185,7 +185,8 @@ def test_packed_batch_losses_equal_one_by_one(prepared):
 
 def test_make_batches_streams_with_the_steps_shardings(prepared):
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     out, _ = prepared
     cfg = DataConfig(shards=str(out), batch_size=8, seq_len=32)
     train, held = make_batches(cfg)
@@ -200,6 +201,7 @@ def test_packed_batches_train_through_the_step_and_the_pipeline(prepared):
     """The step takes positions and segment ids when data.shards is set; the pipeline engine
     carries them to every stage: its loss and gradients equal the unpipelined step's."""
     import jax
+
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.train.setup import build
     out, _ = prepared

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxscale.data import tokenizer as T
 from jaxscale.config import Config, DataConfig, data_problems
+from jaxscale.data import tokenizer as T
 
 TEXT = ("déjà vu — naïve façade; Ελληνικά, русский, 日本語のテキスト, 한국어, "
         "emoji 🙂🚀, math ∑∫√, def f(x):\n\treturn x ** 2  # ✓\n")
@@ -121,10 +121,12 @@ def test_in_memory_corpus_with_a_bpe(bpe_dir, tmp_path):
 
 def test_hf_load_takes_the_directorys_tokenizer(tmp_path, bpe_dir):
     import shutil
+
+    import jax
+
     from jaxscale.interop import hf
     from jaxscale.models.llama import ModelConfig
     from jaxscale.train.state import FunctionalModel
-    import jax
     mcfg = ModelConfig(vocab_size=448, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
     hf.export(tmp_path / "m", FunctionalModel(mcfg).init(jax.random.key(0)), mcfg)
     assert hf.load(tmp_path / "m", Config(mesh=dataclasses.replace(

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 
 from benchmarks import torch_llama as tl  # noqa: E402
 from jaxscale.benchmarks.matched_training import run_pairs  # noqa: E402
-from jaxscale.train.state import FunctionalModel, make_optimizer  # noqa: E402
 from jaxscale.models.llama import RopeScaling  # noqa: E402
+from jaxscale.train.state import FunctionalModel, make_optimizer  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 
 LOSS_ATOL = 2e-5

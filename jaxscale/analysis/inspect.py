@@ -159,6 +159,7 @@ def format_report(rep: dict) -> str:
 def report(cfg, devices=None) -> dict:
     """Compile the train step of `cfg` without running it; the `jaxscale inspect --json` object."""
     import jax
+
     from jaxscale import plan as plan_lib
     from jaxscale.train.setup import build
 

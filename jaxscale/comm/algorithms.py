@@ -45,7 +45,8 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.comm.algorithm_cost import check_power_of_two
 

@@ -26,6 +26,7 @@ class JaxSide:
 
     def __init__(self, world: int):
         import jax
+
         from jaxscale.mesh import MeshConfig, make_mesh
         devices = jax.devices()[:world]
         self.n, self.platform = world, devices[0].platform
@@ -100,6 +101,7 @@ class JaxSide:
     def time_all_reduce(self, algorithm: str, nbytes: int, iters: int, warmup: int,
                         check: bool = False) -> list[float]:
         from jax.sharding import PartitionSpec as P
+
         from jaxscale.comm import algorithms as C
         two = algorithm == "hierarchical"
         mesh, axes = (self.mesh2, ("dp", "fsdp")) if two else (self.mesh, ("dp",))

@@ -27,8 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxscale.data.tokenizer import ByteTokenizer, Tokenizer
 from jaxscale.data import tokenizer as tokenizer_lib
+from jaxscale.data.tokenizer import ByteTokenizer, Tokenizer
 
 
 def corpus_files(source: str) -> list[Path]:

@@ -274,7 +274,8 @@ def vocab_problem(tok_vocab: int, model_vocab: int, what: str) -> str | None:
 def train_bpe(texts, vocab: int, out: str | Path) -> HFTokenizer:
     """Train a byte-level BPE of `vocab` tokens (3 specials: pad, bos, eos) on the iterable of
     strings `texts`; save `out`/tokenizer.json (and a tokenizer_config.json naming the specials)."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab < len(alphabet) + len(SPECIALS):
         raise ValueError(f"--vocab {vocab}: a byte-level BPE needs at least "

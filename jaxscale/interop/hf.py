@@ -34,10 +34,15 @@ import jax
 import numpy as np
 
 # the config mapping, re-exported: callers convert configs through this module
-from jaxscale.interop.hf_config import (ARCHITECTURE, ARCHITECTURES, MOE_ARCHITECTURE,  # noqa: F401
-                                config_from_hf, config_to_hf)
-from jaxscale.interop.hf_tensors import (TensorMap, _bounds, _get, read_block, tensor_maps,
-                                         to_hf_layout)
+from jaxscale.interop.hf_config import config_from_hf, config_to_hf
+from jaxscale.interop.hf_tensors import (
+    TensorMap,
+    _bounds,
+    _get,
+    read_block,
+    tensor_maps,
+    to_hf_layout,
+)
 from jaxscale.models.llama import ModelConfig
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -201,8 +206,8 @@ def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
     A tokenizer.json / tokenizer.model in the directory becomes `Loaded.tokenizer` and
     `cfg.data.tokenizer`, checked against the model's vocabulary."""
     from jaxscale import plan as plan_lib
-    from jaxscale.data import tokenizer as tokenizer_lib
     from jaxscale.config import Config
+    from jaxscale.data import tokenizer as tokenizer_lib
     from jaxscale.train.state import FunctionalModel
     ckpt = Checkpoint(path)
     cfg = cfg or Config()

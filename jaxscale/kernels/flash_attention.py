@@ -34,11 +34,16 @@ from jax import lax
 from jaxscale.kernels.blockwise import check_inputs, pad_to
 from jaxscale.kernels.flash_backward import _backward
 from jaxscale.kernels.flash_forward import _Cfg, _forward, _trips
+
 # the tuning API, re-exported: callers configure the kernels through this module
-from jaxscale.kernels.flash_tuning import (KERNELS, TUNING_ENV, TUNING_TABLE,  # noqa: F401
-                                           BlockSizes, KernelConfig, Tuning, head_dim_bucket,
-                                           _fallback, load_tuning_table, lookup_tuning,
-                                           resolve_tuning)
+from jaxscale.kernels.flash_tuning import (
+    KERNELS,
+    BlockSizes,
+    Tuning,
+    _fallback,
+    head_dim_bucket,
+    resolve_tuning,
+)
 from jaxscale.kernels.tiles import BlockSparseMask
 
 

@@ -22,8 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxscale.kernels.flash_forward import (F32, LOG2E, _Cfg, _dot, _full_spec, _row_loop,
-                                            _tile_mask, pltriton)
+from jaxscale.kernels.flash_forward import (
+    F32,
+    LOG2E,
+    _Cfg,
+    _dot,
+    _full_spec,
+    _row_loop,
+    _tile_mask,
+    pltriton,
+)
 
 
 # ----------------------------------------------------------------------------- backward

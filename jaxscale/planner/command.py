@@ -44,10 +44,8 @@ def build_config(args, out: Path | None = None):
     """The config to plan, checked like train's (every field's range, the relations between
     fields; `--seq` and `--batch` as data.seq_len and data.batch_size; `out`, where the plan will
     be written): one ValueError listing every problem."""
-    from jaxscale import models
-    from jaxscale import meshes
     from jaxscale import config as config_lib
-    from jaxscale import fields
+    from jaxscale import fields, meshes, models
     if args.experiment:
         cfg = config_lib.load_experiment(args.experiment)
     else:

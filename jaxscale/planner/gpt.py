@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxscale.strategies.common import Comm
 from jaxscale.planner.memory import model_states
+from jaxscale.strategies.common import Comm
 
 #: (name, bytes per token as a multiple of h (or of a*s for the score rows), region, core)
 GPT_BLOCK = (

@@ -41,8 +41,15 @@ from pathlib import Path
 
 import jax
 
-from jaxscale.train.checkpoint_meta import (CheckpointError, CorruptCheckpointError, _digest,
-                                            check_compatible, checksums, require_resumable, scan)
+from jaxscale.train.checkpoint_meta import (
+    CheckpointError,
+    CorruptCheckpointError,
+    _digest,
+    check_compatible,
+    checksums,
+    require_resumable,
+    scan,
+)
 
 
 # ----------------------------------------------------------------------------- manager

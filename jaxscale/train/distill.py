@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale.fields import raise_problems
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 
 
 @dataclass

@@ -38,14 +38,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxscale.train import checkpoint as ckpt_lib
-from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale import config as config_lib
 from jaxscale import hardware
 from jaxscale.data import Batches, make_batches
+from jaxscale.train import checkpoint as ckpt_lib
+from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train.grads import DISTILL_METRICS, MOE_METRICS
 from jaxscale.train.setup import build
-
 
 
 class TrainingStopped(RuntimeError):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.llama import Llama, ModelConfig
 from jaxscale.strategies.pp.program import reorder

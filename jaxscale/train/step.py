@@ -39,8 +39,13 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.axes import use_rules
 from jaxscale.strategies.common import StepParts, keep_if_finite
 from jaxscale.train import grads as grads_lib
-from jaxscale.train.state import (FunctionalModel, StateLayout, TrainState, is_partition,
-                                  named_shardings)
+from jaxscale.train.state import (
+    FunctionalModel,
+    StateLayout,
+    TrainState,
+    is_partition,
+    named_shardings,
+)
 
 #: a batch's arrays, all [B, T]; packed documents (`data.shards`) add per-document positions (RoPE)
 #: and segment ids (attention within a document)

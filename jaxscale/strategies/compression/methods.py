@@ -57,8 +57,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.strategies.compression import powersgd
-from jaxscale.strategies.compression.formulas import (_check_block, _check_k, _check_method,
-                                                      check_axes, padded_size)
+from jaxscale.strategies.compression.formulas import (
+    _check_block,
+    _check_k,
+    _check_method,
+    check_axes,
+    padded_size,
+)
 
 Axes = str | Sequence[str]
 CAST = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8}

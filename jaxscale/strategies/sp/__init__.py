@@ -78,6 +78,7 @@ def batch_layout(spec):
     if spec.deg("sp") == 1:
         return None
     import jax.numpy as jnp
+
     from jaxscale.strategies.sp.seq_layout import layout_permutation
     perm = layout_permutation(spec.seq, spec.deg("sp"))
 

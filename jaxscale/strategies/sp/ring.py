@@ -31,8 +31,15 @@ from jaxscale.kernels import blockwise as bw
 from jaxscale.kernels import flash_attention as fa
 from jaxscale.kernels import flash_backward as fb
 from jaxscale.kernels import flash_forward as ff
-from jaxscale.kernels.blockwise import (MASK_VALUE, block_grads, check_inputs, finalize, init_carry,
-                                        online_softmax_step, pad_to)
+from jaxscale.kernels.blockwise import (
+    MASK_VALUE,
+    block_grads,
+    check_inputs,
+    finalize,
+    init_carry,
+    online_softmax_step,
+    pad_to,
+)
 from jaxscale.kernels.tiles import tile_mask
 from jaxscale.strategies.sp.seq_layout import check_layout, hop_pairs
 
