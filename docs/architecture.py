@@ -24,12 +24,14 @@ from tests.test_layout import build_graph  # noqa: E402
 PATH = [
     ("cli.py", "jaxscale train llama_tiny --set plan.qat=fp8"),
     ("config.py", "PlanConfig.qat: one_of(none, int8, fp8)"),
-    ("plan.py", "Spec; STRATEGIES: problems, rules, collectives,\nmemory, step_parts, in one order"),
+    ("plan.py", "Spec; STRATEGIES: problems, rules, collectives,\n"
+     "memory, step_parts, in one order"),
     ("strategies/qat/__init__.py", "problems; rules: the projection seam;\n"
      "shape_step: state.quant + a probe"),
     ("train/setup.py, train/step.py", "the step built from StepParts\n(names no strategy)"),
     ("hooks/projection.py", "the model's matmuls call project():\nqat's registered fp8 matmul"),
-    ("strategies/qat/numerics.py", "e4m3 x e4m3 dot, e5m2 gradients,\namaxes as the scales' cotangent"),
+    ("strategies/qat/numerics.py", "e4m3 x e4m3 dot, e5m2 gradients,\n"
+     "amaxes as the scales' cotangent"),
 ]
 
 

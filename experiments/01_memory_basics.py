@@ -40,7 +40,8 @@ from jaxscale.train.state import state_bytes  # noqa: E402
 
 RUNS = [("tiny", 2, ("plan.precision=fp32",)), ("tiny", 2, ("plan.precision=bf16",)),
         ("tiny", 2, ("plan.precision=bf16", "plan.zero=3")),
-        ("small", 8, ("plan.precision=bf16",)), ("small", 8, ("plan.precision=bf16", "plan.zero=3"))]
+        ("small", 8, ("plan.precision=bf16",)),
+        ("small", 8, ("plan.precision=bf16", "plan.zero=3"))]
 SEQ, BATCH = 128, 16
 
 

@@ -15,11 +15,11 @@ Communication: the gradient all-reduce over dp, from the census of the step. XLA
 reduction and its `all-reduce-promotion` pass widens 16-bit all-reduces to f32 after SPMD
 partitioning, so the *compiled* CPU census is the same for fp32 and bf16. The census of the
 partitioned program (XLA's dump right after `spmd-partitioning`, with scan trip counts read from
-the loop conditions) is what a GPU executes: there the transformer blocks' bf16 gradients move half the bytes of
-fp32's. Not every gradient is reduced in 16 bits: the LM head's (its logits matmul accumulates in
-f32, so its transpose yields an f32 gradient that is reduced before the cast) and the RMSNorm
-scales' (norms compute in f32) are all-reduced in f32; the script lists them and checks the total
-against that accounting. Writes mixed_precision.png.
+the loop conditions) is what a GPU executes: there the transformer blocks' bf16 gradients move half
+the bytes of fp32's. Not every gradient is reduced in 16 bits: the LM head's (its logits matmul
+accumulates in f32, so its transpose yields an f32 gradient that is reduced before the cast) and the
+RMSNorm scales' (norms compute in f32) are all-reduced in f32; the script lists them and checks the
+total against that accounting. Writes mixed_precision.png.
 """
 from __future__ import annotations
 
@@ -143,8 +143,10 @@ def main():
     for name in ref:
         n = np.linalg.norm(ref[name])
         rows.append([name, f"{n:.3e}",
-                     f"{np.linalg.norm(unscaled[name]) / n:.3f}", f"{np.mean(unscaled[name] == 0):.3f}",
-                     f"{np.linalg.norm(scaled[name]) / n:.3f}", f"{np.mean(scaled[name] == 0):.3f}"])
+                     f"{np.linalg.norm(unscaled[name]) / n:.3f}",
+                     f"{np.mean(unscaled[name] == 0):.3f}",
+                     f"{np.linalg.norm(scaled[name]) / n:.3f}",
+                     f"{np.mean(scaled[name] == 0):.3f}"])
     print()
     print(C.table(["params", "fp32 |g|", "fp16 |g|/fp32", "fp16 zeros", "fp16x2^20 |g|/fp32",
                    "fp16x2^20 zeros"], rows,

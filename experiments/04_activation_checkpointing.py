@@ -17,15 +17,15 @@ never the head, so its ratio is below the textbook 4/3; `save_attention_out` als
 Activations per layer (derived for this block: RMSNorm, GQA attention with an fp32 softmax,
 SwiGLU, no dropout; b batch, s sequence, h model dim, a heads, k kv heads, d head dim, f MLP dim,
 beta bytes per activation element). `none` keeps, per norm, its input and scaled output (2bsh
-each, 4 in all: the norm's backward recomputes the normalised input, `models.layers.rms_norm`); q after RoPE and the attention output (2·bs·a·d); k after RoPE and
-v (2·bs·k·d); gate, up, sigmoid(gate), 1-sigmoid, silu(gate) and the hidden product (6bsf); four
-fp32 score-sized arrays (scores, exp, masked, normalised: 16·b·a·s² bytes); per score row the max,
-sum and masked max in fp32 and two boolean masks (14·b·a·s bytes); one fp32 1/rms [b, s] per
-norm (8·bs bytes). In Korthikanti's units (bytes per layer = sbh·(c + c'·as/h)) that is
-sbh·(beta·(4 + (2a+2k)d/h + 6f/h) + 16·as/h) + small terms, against GPT's sbh·(34 + 5as/h).
-`full` keeps the layer input (beta·bsh); `save_attention_out` the input and attention output;
-`save_dots` the input, q, k, v, the output projection and gate, up.
-Writes remat.png.
+each, 4 in all: the norm's backward recomputes the normalised input, `models.layers.rms_norm`); q
+after RoPE and the attention output (2·bs·a·d); k after RoPE and v (2·bs·k·d); gate, up,
+sigmoid(gate), 1-sigmoid, silu(gate) and the hidden product (6bsf); four fp32 score-sized arrays
+(scores, exp, masked, normalised: 16·b·a·s² bytes); per score row the max, sum and masked max in
+fp32 and two boolean masks (14·b·a·s bytes); one fp32 1/rms [b, s] per norm (8·bs bytes). In
+Korthikanti's units (bytes per layer = sbh·(c + c'·as/h)) that is sbh·(beta·(4 + (2a+2k)d/h + 6f/h)
++ 16·as/h) + small terms, against GPT's sbh·(34 + 5as/h). `full` keeps the layer input (beta·bsh);
+`save_attention_out` the input and attention output; `save_dots` the input, q, k, v, the output
+projection and gate, up. Writes remat.png.
 """
 from __future__ import annotations
 
@@ -135,7 +135,8 @@ def main():
         mm = models.get(name) if name != "tiny" else m
         fl = dot_flops(mm, s)
         block = sum(v for n, v in fl.items() if n != "head")
-        big.append([name, s, f"{fl['down'] / block:.3f}", f"{fl['head'] / (mm.n_layers * block):.4f}",
+        big.append([name, s, f"{fl['down'] / block:.3f}",
+                    f"{fl['head'] / (mm.n_layers * block):.4f}",
                     f"{expected_ratio('full', mm, s):.4f}"])
     print(C.table(["model", "seq", "w_down / block", "head / blocks", "full remat ratio"], big))
     c = lambda mm, beta: beta * (4 + (2 * mm.n_heads + 2 * mm.n_kv_heads) * mm.hd / mm.dim

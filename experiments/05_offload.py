@@ -10,12 +10,12 @@ fp32 master and Adam, dp=8, batch 16 x 64.
    training steps of each give the same losses.
 2. The streamed update: the optimizer update runs as a loop over the layers that brings one
    layer of the offloaded state to the device, updates it and writes it back into host memory
-   (`jaxscale.strategies.offload.streaming.streamed_update`). Read from the program lowered for CUDA (here,
-   without a GPU: XLA:CPU lowers memory-space moves to nothing), every host->device move of
+   (`jaxscale.strategies.offload.streaming.streamed_update`). Read from the program lowered for CUDA
+   (here, without a GPU: XLA:CPU lowers memory-space moves to nothing), every host->device move of
    offloaded state is one layer's slice in the loop or an unstacked leaf, never a whole stacked
-   leaf; from the CPU-compiled program, the temp against no offload (whose update runs in place
-   on the device-resident state: the streamed one may hold one piece, a layer of the offloaded
-   state, more) and against the planner's prediction (`jaxscale.planner`, tolerance as in
+   leaf; from the CPU-compiled program, the temp against no offload (whose update runs in place on
+   the device-resident state: the streamed one may hold one piece, a layer of the offloaded state,
+   more) and against the planner's prediction (`jaxscale.planner`, tolerance as in
    planner_validation).
 3. Activation offload: the bytes `plan.remat=offload` sends to host memory per step (device_puts
    the checkpoint policy inserts, times the layer scan), against q, k, v, attention output, output

@@ -1,14 +1,15 @@
 """python experiments/06_naive_model_parallel.py [--out runs/exp06] [--steps 6]    # ~2 min
 
 Topic 06: naive model parallelism against GPipe. The tiny LLaMA (4 layers, batch 16 x 32) split
-over pp = 2 (x fsdp 4) and pp = 4 (x fsdp 2) by the pipeline engine (`jaxscale.strategies.pp.engine`):
+over pp = 2 (x fsdp 4) and pp = 4 (x fsdp 2) by the pipeline engine
+(`jaxscale.strategies.pp.engine`):
 - naive, m = 1: the whole batch through stage 0, then stage 1, ..., then the backward back down:
   one device busy at a time (plain layer-split model parallelism);
 - naive, m = 4: the same, one micro-batch at a time (accumulation): still one device busy;
 - gpipe, m = 2 and 4 (pp = 2), 4 and 8 (pp = 4; m is at most the batch's 16 rows over fsdp):
   all forwards, then all backwards; devices overlap on different micro-batches.
 Columns, per plan:
-- utilisation = 1 - bubble from the schedule simulator (`pipeline_schedules.simulate`, T_F = 1,
+- utilisation = 1 - bubble from the schedule simulator (`schedules.simulate`, T_F = 1,
   backward 2) next to the closed form, and the engine's busy fraction (`program_for(spec)
   .branch_share()`: the share of (tick, device) slots that run an op, every op one tick);
 - compiled temp memory per device (`memory_analysis`) and the planner's prediction beside it;
@@ -30,7 +31,7 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import plan, planner
+from jaxscale import plan, planner  # noqa: E402
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.analysis.validation import tiny_config  # noqa: E402
 from jaxscale.strategies.pp import program  # noqa: E402

@@ -1,11 +1,11 @@
 """python experiments/07_data_parallel.py [--out runs/07_data_parallel] [--steps 30] [--no-torch]
 
 Topic 07: data parallelism. Two parts, in one run on the 8 simulated CPU devices:
-1. The census of the compiled jaxscale DP step (`jaxscale.analysis.inspect.report`) for dp = 2, 4, 8 on the
-   tiny LLaMA: the gradient all-reduce over `dp` carries exactly the gradient bytes (= fp32
-   parameter bytes) whatever the degree, its ring wire bytes grow as 2(n-1)/n, no other
-   collective appears, and the per-device memory keeps the whole model state (replicated) while
-   the activations shrink with the local batch.
+1. The census of the compiled jaxscale DP step (`jaxscale.analysis.inspect.report`) for dp = 2, 4, 8
+   on the tiny LLaMA: the gradient all-reduce over `dp` carries exactly the gradient bytes (= fp32
+   parameter bytes) whatever the degree, its ring wire bytes grow as 2(n-1)/n, no other collective
+   appears, and the per-device memory keeps the whole model state (replicated) while the activations
+   shrink with the local batch.
 2. The loss curve of jaxscale DP (mesh dp=8) against PyTorch DDP (8 gloo ranks on localhost) for
    `--steps` steps from the same initial weights, on the same batches, with the same AdamW,
    clipping and schedule (`benchmarks.matched_training`): the two curves coincide up to fp32

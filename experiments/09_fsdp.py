@@ -2,8 +2,8 @@
 
 Topic 09: fully sharded data parallelism, flat and hybrid. In one run on 8 simulated CPU devices:
 1. jaxscale FSDP (fsdp=8) against HSDP (mesh dp x fsdp = 2x4 and 4x2) and plain DP (dp=8), from
-   the compiled step (`jaxscale.analysis.inspect.report`): per-device model state and compiled memory,
-   and every collective with its mesh axes. HSDP shards the state over the `fsdp` group only
+   the compiled step (`jaxscale.analysis.inspect.report`): per-device model state and compiled
+   memory, and every collective with its mesh axes. HSDP shards the state over the `fsdp` group only
    (n/dp of FSDP's saving), and its parameter all-gathers stay inside the `fsdp` group; the
    gradients are reduced inside the group (reduce-scatter; XLA:CPU emits all-reduce + slice) and
    then across the `dp` replicas on the shard only.

@@ -63,9 +63,9 @@ def handwritten_summary(result: dict) -> str:
 
 def hierarchy_demo() -> tuple[str, dict]:
     sizes = [64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB]
-    lines = [f"two-level all-reduce vs flat ring, alpha-beta model; intra {INTRA.bandwidth / 1e9:.0f}"
-             f" GB/s {INTRA.alpha * 1e6:.0f} us, inter {INTER.bandwidth / 1e9:.0f} GB/s "
-             f"{INTER.alpha * 1e6:.0f} us per device",
+    lines = ["two-level all-reduce vs flat ring, alpha-beta model; intra "
+             f"{INTRA.bandwidth / 1e9:.0f} GB/s {INTRA.alpha * 1e6:.0f} us, "
+             f"inter {INTER.bandwidth / 1e9:.0f} GB/s {INTER.alpha * 1e6:.0f} us per device",
              f"{'nodes x per-node':>16} {'size':>8} {'flat ring us':>13} {'two-level us':>13} "
              f"{'speedup':>8} {'busiest inter-node link bytes, flat / two-level':>48}"]
     curves: dict = {"sizes": sizes, "layouts": {}, "bw_ratio": {}}

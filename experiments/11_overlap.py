@@ -8,8 +8,8 @@ four ways on the 8 simulated CPU devices:
 2. the same under `plan.xla_preset=latency_hiding` (on XLA:CPU only its concurrency-optimised
    scheduler acts; the `xla_gpu_*` options are accepted and ignored);
 3. `plan.tp_overlap=collective_matmul`: the block's matmuls as ring collective matmuls
-   (`jaxscale/strategies/overlap/collective_matmul.py`): t-1 collective-permutes of a sequence chunk per ring,
-   each beside a partial matmul;
+   (`jaxscale/strategies/overlap/collective_matmul.py`): t-1 collective-permutes of a sequence chunk
+   per ring, each beside a partial matmul;
 4. `plan.tp_overlap=collective_matmul_bidirectional`: half the hops each way round the ring.
 For each, from the *scheduled* HLO (`compiled.as_text()`, `jaxscale/analysis/windows.py`): the
 census of the tp collectives (bytes per device per step by kind, beside the plan's formula),
@@ -33,7 +33,7 @@ CM.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import plan
+from jaxscale import plan  # noqa: E402
 from jaxscale.analysis import inspect, windows  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import overlap  # noqa: E402

@@ -1,8 +1,9 @@
 """python experiments/12_gradient_compression.py [--out runs/12_gradient_compression] [--steps 500]
 
 Topic 12: gradient compression on the data axis (8 simulated CPU devices, `dp` = 8). Every method
-of `jaxscale.strategies.compression.methods` (fp32 all-reduce, bf16, fp8 and int8 with per-block scales, 1-bit sign,
-top-k, threshold, PowerSGD; error feedback where the method has it, top-k also without) trains
+of `jaxscale.strategies.compression.methods` (fp32 all-reduce, bf16, fp8 and int8 with per-block
+scales, 1-bit sign, top-k, threshold, PowerSGD; error feedback where the method has it, top-k also
+without) trains
 1. a quadratic: min_w mean_d |w - t_d|^2, w [32, 32], each worker its own target t_d (its
    gradients differ from the others'), SGD; the loss is the excess |w - mean_d t_d|^2;
 2. a small MLP regression (16 -> 64 -> 8, tanh) on a teacher, each worker its own input
@@ -24,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.strategies.compression import formulas as F  # noqa: E402
@@ -116,7 +117,7 @@ def main() -> None:
     for label, method, p, ef in RUNS:
         row = {"label": label, "method": method}
         for name, ((grad_fn, loss_fn, init, data), lr) in problems.items():
-            shapes = [l.shape for l in jax.tree.leaves(init)]
+            shapes = [leaf.shape for leaf in jax.tree.leaves(init)]
             size = sum(int(np.prod(s)) for s in shapes)
             params = params_for(method, p, size)
             losses, census_bytes = train(mesh, method, params, ef, grad_fn, loss_fn, init,

@@ -12,8 +12,8 @@ Part 2, a parameter server. n workers of equal speed push gradients that are abo
 updates stale. On the dense quadratic a constant step diverges as n grows while the
 staleness-aware step lr / (1 + staleness) keeps converging; on a recommender-style sparse
 embedding problem (a gradient of 16 examples touches at most 32 of its 200 embedding rows) a
-constant step tolerates 32 workers: stale updates rarely touch the rows they missed. One run with one worker 4x faster
-shows the fast worker's share of the updates. Writes async_sgd.png.
+constant step tolerates 32 workers: stale updates rarely touch the rows they missed. One run with
+one worker 4x faster shows the fast worker's share of the updates. Writes async_sgd.png.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ C.cpu_only()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxscale import plan
+from jaxscale import plan  # noqa: E402
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import local_sgd  # noqa: E402

@@ -3,14 +3,14 @@
                                         [--temp-figure docs/img/exp15_temp_vs_m.png]
                                         [--no-compile]        # ~2.5 min on 2 cores; 1 s without
 
-Topic 15: pipeline bubbles. Every schedule of `jaxscale.strategies.pp.schedules` (naive, GPipe, 1F1B,
-interleaved 1F1B with v virtual stages, ZB-H1) built for p devices and m micro-batches and run by
-its discrete-event simulator, T_F = 1 and a whole backward of 2 (ZB-H1: B = W = 1, the paper's
+Topic 15: pipeline bubbles. Every schedule of `jaxscale.strategies.pp.schedules` (naive, GPipe,
+1F1B, interleaved 1F1B with v virtual stages, ZB-H1) built for p devices and m micro-batches and run
+by its discrete-event simulator, T_F = 1 and a whole backward of 2 (ZB-H1: B = W = 1, the paper's
 T_F = T_B = T_W), stages of equal cost. Prints simulated bubble against the closed form, the
-idle/compute overhead (Megatron's form), the peak micro-batches in flight on device 0 and the
-bubble when each stage-to-stage transfer costs 0.1 T_F. Writes bubble.json and a stacked Gantt
-chart (gpipe, 1f1b, interleaved, zb-h1) under --out, or at --figure. This part needs no JAX and
-takes about a second.
+idle/compute overhead (Megatron's form), the peak micro-batches in flight on device 0 and the bubble
+when each stage-to-stage transfer costs 0.1 T_F. Writes bubble.json and a stacked Gantt chart
+(gpipe, 1f1b, interleaved, zb-h1) under --out, or at --figure. This part needs no JAX and takes
+about a second.
 
 The compiled side (skipped with --no-compile): the train step of the tiny LLaMA (4 layers, seq
 64, micro-batches of 4 rows) on pp = 2 x fsdp = 4, run by the pipeline engine
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
           "simulated vs formula")
     print(compiled_table(cs))
     from jaxscale.analysis.validation import TOLERANCE
-    ok = [abs(r["temp_pred"] / r["temp"] - 1) <= TOLERANCE["temp"] and r["permutes"] == r["permutes_theory"]
+    ok = [abs(r["temp_pred"] / r["temp"] - 1) <= TOLERANCE["temp"]
+          and r["permutes"] == r["permutes_theory"]
           and r["permute_bytes"] == r["permute_bytes_theory"]
           and abs(r["flops_pred"] / r["flops"] - 1) <= 0.01
           and abs(r["bubble"] - r["formula"]) < 1e-9 for r in cs]
@@ -198,8 +199,8 @@ def main(argv=None) -> int:
     print(f"wrote {tfig} and {os.path.join(a.out, 'compiled.json')}; {time.time() - t_start:.0f} s")
     bad = [f"{r['schedule']} m={r['m']}" for r, good in zip(cs, ok) if not good]
     if bad:
-        print(f"outside tolerance (temp {TOLERANCE['temp']:.0%}, permutes exact, FLOPs 1%, bubble exact): "
-              + ", ".join(bad))
+        print(f"outside tolerance (temp {TOLERANCE['temp']:.0%}, permutes exact, FLOPs 1%, "
+              "bubble exact): " + ", ".join(bad))
     return 1 if bad else 0
 
 

@@ -28,7 +28,7 @@ import _common as C  # first: 8 simulated devices before jax is imported
 C.cpu_only()
 import numpy as np  # noqa: E402
 
-from jaxscale import planner
+from jaxscale import planner  # noqa: E402
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402

@@ -176,7 +176,8 @@ def main() -> int:
             claims.append((f"{r['layout']} ({r['variant']}) fits in 80 GB", fits))
         elif r["layout"] != "Llama 3 405B":
             claims.append((f"{r['layout']} without recompute needs more memory than with it",
-                           r["total"] > min(x["total"] for x in rows if x["layout"] == r["layout"])))
+                           r["total"] > min(x["total"] for x in rows
+                                            if x["layout"] == r["layout"])))
         r["fits"] = fits
     print("Part 1: published 3D layouts, per GPU (planner)\n")
     print("\n".join(lines))

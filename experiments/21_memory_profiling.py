@@ -1,7 +1,7 @@
 """python experiments/21_memory_profiling.py [--out runs/exp21] [--steps 8]
 
-Topic 21: memory monitoring and profiling. `jaxscale.analysis.profiling.profile` (what `jaxscale profile`
-runs) trains the tiny model (2 layers, dp=8, batch 8 x 32) for `--steps` steps twice:
+Topic 21: memory monitoring and profiling. `jaxscale.analysis.profiling.profile` (what `jaxscale
+profile` runs) trains the tiny model (2 layers, dp=8, batch 8 x 32) for `--steps` steps twice:
 
 - clean: the train loop as it should be (the donated state is replaced every step);
 - leak: the same loop with a hook that keeps a derived copy of the embedding table every step,
@@ -56,7 +56,8 @@ def main():
         perfetto = list((d / "trace").rglob("perfetto_trace.json.gz"))
         prof = d / "memory.prof"
         claims.check(f"{name}: trace (.xplane.pb, perfetto) and memory.prof written",
-                     f"{len(traces)}, {len(perfetto)}, {prof.stat().st_size if prof.exists() else 0:,} B",
+                     f"{len(traces)}, {len(perfetto)}, "
+                     f"{prof.stat().st_size if prof.exists() else 0:,} B",
                      ">= 1, >= 1, > 0",
                      bool(traces) and bool(perfetto) and prof.exists() and prof.stat().st_size > 0)
     steady = [r["live_bytes"] for r in clean["rows"][2:]]

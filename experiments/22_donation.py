@@ -4,13 +4,13 @@ Topic 22: buffer donation (`plan.donate`). A train step maps the state to a new 
 shapes; donating the input state (`jax.jit(..., donate_argnums=0)`) lets XLA write the new state
 into the old buffers instead of allocating a second copy for its outputs.
 
-1. For a few plans, `jaxscale.analysis.inspect.donation_report` compiles the step both ways. Donated, the
-   compiled program aliases every output buffer to an input (alias bytes = one train state on
-   the device: parameters, fp32 master, Adam moments, counters, from `state_bytes`); not donated,
-   it allocates a whole second state for its outputs. The per-device peak (`memory_analysis`:
-   arguments + outputs + temp - alias) falls by exactly that copy: the update writes the new
-   state into the old buffers (its non-finite guard is a `lax.cond`, so nothing reads the old
-   state after it is overwritten) and the temp is the same either way.
+1. For a few plans, `jaxscale.analysis.inspect.donation_report` compiles the step both ways.
+   Donated, the compiled program aliases every output buffer to an input (alias bytes = one train
+   state on the device: parameters, fp32 master, Adam moments, counters, from `state_bytes`); not
+   donated, it allocates a whole second state for its outputs. The per-device peak
+   (`memory_analysis`: arguments + outputs + temp - alias) falls by exactly that copy: the update
+   writes the new state into the old buffers (its non-finite guard is a `lax.cond`, so nothing reads
+   the old state after it is overwritten) and the temp is the same either way.
 2. The guard isolated on a bare `clip + adamw` update of three matrices (optax's clip): with
    donation the temp holds exactly the update tree (one parameter-sized copy), so the peak falls
    by the state less that tree. A non-finite guard written as a select (`where(finite, new,

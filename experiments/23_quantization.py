@@ -18,7 +18,7 @@ corpus; every loss below is the token-mean cross entropy on the same held-out ba
 3. Distillation: a 2-layer student trained KD_STEPS steps from the same initialisation with
    plain cross entropy and with alpha T^2 KL(teacher || student) + (1 - alpha) CE at T = 1 and
    T = 2, equal steps, batches and learning rate; its held-out CE and KL to the teacher (T = 1).
-4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/qat.py): the
+4. Quantisation-aware training as a plan option (`plan.qat`, jaxscale/strategies/qat/): the
    teacher's run again for QAT_STEPS steps with plan.qat=int8 and plan.qat=fp8 (delayed
    scaling, 16-step amax history), same initialisation, batches and schedule as the fp32 run
    (whose first QAT_STEPS losses are the teacher's): loss curves, held-out loss through each

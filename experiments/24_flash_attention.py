@@ -152,8 +152,8 @@ def main(argv=None):
 
     budget = args.budget_gib * 2 ** 30
     llama = [llama_step_memory(impl, args.llama_seq) for impl in ("xla", "blockwise")]
-    lines += ["", f"Long sequence: tiny LLaMA training step (loss + grads), B=1, T={args.llama_seq}, "
-              f"budget {args.budget_gib:g} GiB per device", "",
+    lines += ["", "Long sequence: tiny LLaMA training step (loss + grads), B=1, "
+              f"T={args.llama_seq}, budget {args.budget_gib:g} GiB per device", "",
               "| attention | compiled total GiB | temp GiB | verdict |", "|---|---:|---:|---|"]
     for r in llama:
         r["fits"] = r["total"] <= budget

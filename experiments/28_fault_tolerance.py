@@ -8,10 +8,10 @@ Run (CPU, about two minutes):
 Part 1 builds whole train states (parameters + AdamW moments + step, random values, sharded
 dp2 x fsdp2 x tp2 over 8 simulated devices) of LLaMA-shaped models from ~1M to ~30M parameters
 and saves each with an Orbax CheckpointManager, synchronous and asynchronous
-(`jaxscale.train.checkpoint.Checkpointer`). "blocking" is how long the training loop waits in `save()`;
-"commit" is the time until the checkpoint is finalized on disk. Async blocking is the device ->
-host copy of the state only (here host memory to host memory; on a GPU, PCIe-bound); the write
-runs on a background thread while training continues. One warm-up save per mode is not timed.
+(`jaxscale.train.checkpoint.Checkpointer`). "blocking" is how long the training loop waits in
+`save()`; "commit" is the time until the checkpoint is finalized on disk. Async blocking is the
+device -> host copy of the state only (here host memory to host memory; on a GPU, PCIe-bound); the
+write runs on a background thread while training continues. One warm-up save per mode is not timed.
 
 Part 2 trains llama_tiny (2 layers, seq 32, batch 8, 60 steps, checkpoint every 10) three ways
 through the CLI: uninterrupted; killed with SIGKILL as soon as its step-30 checkpoint is committed

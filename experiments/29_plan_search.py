@@ -32,7 +32,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import planner
+from jaxscale import planner  # noqa: E402
 from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.analysis.validation import tiny_config  # noqa: E402
 from jaxscale.axes import MESH_AXES  # noqa: E402
@@ -144,7 +144,8 @@ def _plot(rows, budget, path):
     ax.set_xticklabels([f"{r['role']}\n{r['plan']}".replace(" ", "\n", 2) for r in rows],
                        fontsize=6)
     ax.set_ylabel("per-device memory (MiB)")
-    ax.set_title("plan search on cpu8: the pick, runners-up and rejected plans, compiled", fontsize=9)
+    ax.set_title("plan search on cpu8: the pick, runners-up and rejected plans, compiled",
+                 fontsize=9)
     ax.legend(fontsize=7)
     savefig(fig, path, dpi=120)
 

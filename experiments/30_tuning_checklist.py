@@ -1,4 +1,5 @@
-"""Experiment 30: a tuning checklist walked on a LLaMA recipe, with the planner doing the arithmetic.
+"""Experiment 30: a tuning checklist walked on a LLaMA recipe, with the planner doing the
+arithmetic.
 
     python experiments/30_tuning_checklist.py --out runs/exp30            # a few seconds
     python experiments/30_tuning_checklist.py --model llama3-70b --mesh h100x8x4 --batch 64
@@ -133,7 +134,7 @@ def walk(model: str, mesh: str, seq: int, batch: int) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first paragraph
     ap.add_argument("--out", default="runs/exp30")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--mesh", default="h100x8")
@@ -151,7 +152,8 @@ def main() -> int:
                    "to fit", all(b["prediction"].time.total <= a["prediction"].time.total * 1.001
                                  or not a["prediction"].fits
                                  for a, b in zip(steps[1:], steps[2:]))))
-    lines = ["| # | step | plan | per-GPU memory | fits | step s | MFU |", "|---|---|---|---|---|---|---|"]
+    lines = ["| # | step | plan | per-GPU memory | fits | step s | MFU |",
+             "|---|---|---|---|---|---|---|"]
     for i, s in enumerate(steps, 1):
         p = s["prediction"]
         lines.append(f"| {i} | {s['step']} | {s['plan']} | {nbytes(p.memory.total)} | "

@@ -21,10 +21,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
-from jaxscale import (
-    meshes,  # noqa: E402
-    models,  # noqa: E402
-)
+from jaxscale import meshes, models  # noqa: E402
 from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides  # noqa: E402
 
 MiB = 2 ** 20

@@ -128,7 +128,8 @@ def goal(rows) -> dict:
 
 def table(rows) -> str:
     lines = ["| impl | head_dim | seq | batch x heads | causal | fwd ms | fwd TFLOP/s | "
-             "fwd+bwd ms | fwd+bwd TFLOP/s | note |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+             "fwd+bwd ms | fwd+bwd TFLOP/s | note |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
         note = r.get("error", "")
@@ -437,8 +438,8 @@ def main(argv=None):
         return tune(args, on_gpu)
     if not on_gpu and not args.allow_cpu:
         sys.exit(f"gpu_flash_bench: the default JAX backend is {backend!r}, not an NVIDIA GPU. "
-                 f"TFLOP/s figures are only meaningful on a GPU; pass --allow-cpu to smoke-test the "
-                 f"code path with tiny sizes.")
+                 "TFLOP/s figures are only meaningful on a GPU; pass --allow-cpu to smoke-test "
+                 "the code path with tiny sizes.")
     if on_gpu:
         seqs, tokens, hidden, reps = [1024, 2048, 4096, 8192, 16384], 16384, 2048, 10
     else:  # smoke test: tiny, Pallas in interpret mode

@@ -5,12 +5,12 @@
     python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
     python experiments/planner_validation.py --live-set      # also XLA:CPU's heap packing
 
-Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8; `jaxscale.analysis.validation`
-`tiny_config`) or the small one on the 8 simulated CPU devices, and compares, per device:
-argument+output bytes (tolerance 5%), temp bytes (20%), every (collective kind, mesh axes) of the
-census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and the LM head's optional
-backward all-gather are handled by `jaxscale.analysis.validation`, and each row says so), and
-matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
+Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8;
+`jaxscale.analysis.validation` `tiny_config`) or the small one on the 8 simulated CPU devices, and
+compares, per device: argument+output bytes (tolerance 5%), temp bytes (20%), every (collective
+kind, mesh axes) of the census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and
+the LM head's optional backward all-gather are handled by `jaxscale.analysis.validation`, and each
+row says so), and matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
 `jaxscale.analysis.validation.CASES`.
 
 With --live-set XLA dumps each train step's buffer assignment and live ranges, and each row adds
@@ -44,11 +44,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxscale import planner
-from jaxscale.analysis import (
-    inspect,  # noqa: E402
-    validation,  # noqa: E402
-)
+from jaxscale import planner  # noqa: E402
+from jaxscale.analysis import inspect, validation  # noqa: E402
 from jaxscale.analysis.validation import CASES, tiny_config  # noqa: E402
 
 

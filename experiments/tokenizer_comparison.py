@@ -4,8 +4,8 @@ Bytes vs a trained BPE (`--vocab`, default 2048) on the same text: this Python's
 sources, no download.
 1. `jaxscale.data.tokenizer.train_bpe` trains a byte-level BPE of `--vocab` tokens on the training
    files only (the held-out files, chosen by a hash of their names as in `jaxscale.data`, are
-   never seen by the tokenizer), with Hugging Face `tokenizers`; `jaxscale.data.shards.prepare` writes
-   both tokenizations to shards (the `jaxscale data prepare` path): bytes per token, seconds.
+   never seen by the tokenizer), with Hugging Face `tokenizers`; `jaxscale.data.shards.prepare`
+   writes both tokenizations to shards (the `jaxscale data prepare` path): bytes per token, seconds.
 2. The tiny LLaMA (2 layers, dim 128; vocabulary 320 for bytes, --vocab for the BPE) trains for
    `--steps` steps of 16 x 128 tokens on dp=8 with each tokenizer (the default in-memory windows,
    same seed, same schedule), then is evaluated on the same held-out text. The comparison is per

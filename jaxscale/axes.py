@@ -122,7 +122,8 @@ def constrain(x, *names: str | None):
     if ctx is None:
         return x
     if len(names) != x.ndim:
-        raise ValueError(f"constrain got {len(names)} names {names} for an array of shape {x.shape}")
+        raise ValueError(f"constrain got {len(names)} names {names} for an array of shape "
+                         f"{x.shape}")
     import jax
     from jax.sharding import NamedSharding
     mesh, rules = ctx

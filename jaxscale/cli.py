@@ -197,7 +197,8 @@ def parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("experiment", help="name under experiments/ or path to a .py with config()")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config field, e.g. --set mesh.dp=8 --set model.n_layers=2")
+                        help="override any config field, e.g. --set mesh.dp=8 "
+                             "--set model.n_layers=2")
         sp.add_argument("--devices", type=arg(lo=1), default=8,
                         help="simulated CPU devices when no accelerator is present (default 8)")
 

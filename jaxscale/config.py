@@ -34,7 +34,8 @@ from jaxscale.strategies.sp import CONTEXTS
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"            # "stdlib" (this Python's own sources) or comma-separated globs
+    source: str = "stdlib"            # "stdlib" (this Python's own sources) or comma-separated
+                                      # globs
     seq_len: int = positive(128)
     batch_size: int = positive(16)    # global batch, in sequences
     heldout_fraction: float = ranged(0.05, above=0, below=1)

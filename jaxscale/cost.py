@@ -1,8 +1,8 @@
 """The one vocabulary of collective costs: kinds, bus-bandwidth factors, ring steps, alpha-beta.
 
 Every place that turns bytes into wire bytes or seconds reads this module: the census of the
-compiled program (`jaxscale.analysis.inspect`), the planner's step-time model, the hand-written collective
-algorithms and the nccl-tests-style benchmark.
+compiled program (`jaxscale.analysis.inspect`), the planner's step-time model, the hand-written
+collective algorithms and the nccl-tests-style benchmark.
 
 - `busbw_factor(kind, n)`: wire bytes per device over the message size for a bandwidth-optimal
   (ring) algorithm, nccl-tests' busbw factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter,

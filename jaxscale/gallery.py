@@ -182,7 +182,8 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path,
             "failed": failed, "claims": claims_table(results),
             "table": (out / "table.md").read_text().strip() if (out / "table.md").is_file()
             else last_table(stdout),
-            "figure": figure, "tail": "" if not failed else "\n".join((stdout + stderr).splitlines()[-TAIL:]),
+            "figure": figure,
+            "tail": "" if not failed else "\n".join((stdout + stderr).splitlines()[-TAIL:]),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}, \
         (figures[0] if figures else None)
 
@@ -215,7 +216,8 @@ def write_readme(folder: Path, entries: dict[int, dict], tree: Path) -> Path:
     total = sum(e["cpu_seconds"] for e in entries.values())
     lines = [
         "# Experiments gallery", "",
-        "One experiment per topic, each runnable on a laptop CPU (8 simulated devices). This page is",
+        "One experiment per topic, each runnable on a laptop CPU (8 simulated devices). "
+        "This page is",
         "written by `jaxscale experiments run --all` (or `run NN ...` for some topics) from the",
         "experiments' own output, under `runs/experiments/`; `--publish` merges the run into the",
         "committed gallery, `experiments/README.md`. It shows the claims each one checks (measured",

@@ -6,9 +6,9 @@ The CPU profile describes the host running simulated devices: they share its cor
 divided among them.
 
 Fields the planner adds (defaults keep the older profiles' meaning):
-- `busbw_intra` / `busbw_inter`: the bus bandwidth a bandwidth-optimal collective reaches (nccl-tests
-  "busbw"), per device; 0 means the link bandwidth (`intra_bw` / `inter_bw`). 8xH100 ring
-  all-reduce ~370 GB/s, 8xA100 ~200 GB/s (nccl-tests PERFORMANCE.md figures in REFERENCE.md).
+- `busbw_intra` / `busbw_inter`: the bus bandwidth a bandwidth-optimal collective reaches
+  (nccl-tests "busbw"), per device; 0 means the link bandwidth (`intra_bw` / `inter_bw`). 8xH100
+  ring all-reduce ~370 GB/s, 8xA100 ~200 GB/s (nccl-tests PERFORMANCE.md figures in REFERENCE.md).
 - `matmul_efficiency`: fraction of the dense peak a large GEMM sustains (cuBLAS on A100 reaches
   ~250 of 312 TFLOP/s, on H100 SXM ~740 of 989); the CPU peak is already an upper bound.
 - `host_bytes`: host DRAM per device for offloaded state (a DGX node: 2 TB for 8 GPUs); on `cpu`,

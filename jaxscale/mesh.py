@@ -69,8 +69,8 @@ class MeshConfig:
             raise ValueError(
                 f"mesh asks for {asked} = {total} devices but {n_devices} are present. Make the "
                 f"degrees multiply to {n_devices} (e.g. --set mesh.dp=-1 to fill dp with what is "
-                f"left), or change the device count (XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                f"on CPU)")
+                "left), or change the device count "
+                "(XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)")
         for a in MESH_AXES:
             o = getattr(self, f"dcn_{a}")
             if o < 1 or deg[a] % o:

@@ -61,7 +61,8 @@ STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, re
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
            "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
-           "compression", "compression_block", "compression_density", "compression_threshold", "compression_rank", "prune",
+           "compression", "compression_block", "compression_density", "compression_threshold",
+           "compression_rank", "prune",
            "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
            "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history")
 

@@ -102,7 +102,8 @@ def rope_frequencies(cfg):
         smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
             s.high_freq_factor - s.low_freq_factor)
         blended = (1 - smooth) * inv / s.factor + smooth * inv
-        inv = jnp.where(wavelen < high_wl, inv, jnp.where(wavelen > low_wl, inv / s.factor, blended))
+        inv = jnp.where(wavelen < high_wl, inv,
+                        jnp.where(wavelen > low_wl, inv / s.factor, blended))
     return inv
 
 

@@ -147,7 +147,8 @@ class ModelConfig:
         Attention (QK^T and PV, forward 4*s*hd*heads per token per layer, x3 for fwd+bwd) is
         halved when causal, as in the MFU accounting of PaLM / Megatron.
         """
-        n_matmul = self.param_count(active=True) - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        n_matmul = (self.param_count(active=True)
+                    - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1))
         n_matmul -= (2 * self.n_layers + 1) * self.dim      # norms are not matmuls
         attn = 12 * self.n_layers * self.n_heads * self.hd * seq_len
         return 6 * n_matmul + (attn / 2 if causal else attn)

@@ -24,7 +24,7 @@ experts by p (ties: the lower index); their weights p / sum(top-k p), summing to
 sum_j w_j expert_{e_j}(x) over the token's kept assignments; a dropped assignment adds nothing
 (the token keeps its residual), and the weights are not renormalised over what was kept.
 
-Losses (returned as statistics, weighted into the training loss by `jaxscale/train/step.py`):
+Losses (returned as statistics, weighted into the training loss by `jaxscale/train/grads.py`):
 - load balancing (Switch Transformer, arXiv 2101.03961): E * sum_e f_e * P_e, with f_e the
   fraction of the k N assignments of the N tokens that chose expert e (before capacity; a
   constant to the gradient) and P_e the mean router probability of e. 1.0 when balanced, E when
@@ -45,9 +45,9 @@ when tokens drop. Tokens are scattered into a buffer [E, B, C, dim] (`scatter_to
 experts run as batched matmuls over it (`expert_ffn`, GSPMD-sharded: `experts` over ep, the rows
 over the other data axes, `mlp` over tp) and the results are gathered back and weighted
 (`gather_from_slots`). Expert parallelism moves the buffer with one all-to-all each way
-(`jaxscale.hooks.experts.to_experts` / `from_experts`: under a plan, inside `jax.shard_map`); without it the
-same code runs with no collective. `top_k` is k rounds of argmax, not `lax.top_k`, whose GSPMD
-partitioning gathers the whole batch.
+(`jaxscale.hooks.experts.to_experts` / `from_experts`: under a plan, inside `jax.shard_map`);
+without it the same code runs with no collective. `top_k` is k rounds of argmax, not `lax.top_k`,
+whose GSPMD partitioning gathers the whole batch.
 
 Dropless mode (`model.moe_dropless`): no token is ever dropped. Without expert parallelism the
 assignments are sorted by expert and the experts run as grouped matmuls (`jax.lax.ragged_dot`)

@@ -1,6 +1,6 @@
-"""Asynchronous SGD (`jaxscale.comm.async_sgd`, plain NumPy): the stale-gradient stability bound against
-a measured divergence, the parameter-server simulator's staleness, staleness-aware steps, and the
-sparse (recommender-style) problem that tolerates staleness where a dense one diverges."""
+"""Asynchronous SGD (`jaxscale.comm.async_sgd`, plain NumPy): the stale-gradient stability bound
+against a measured divergence, the parameter-server simulator's staleness, staleness-aware steps,
+and the sparse (recommender-style) problem that tolerates staleness where a dense one diverges."""
 import numpy as np
 import pytest
 

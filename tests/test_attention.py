@@ -149,7 +149,8 @@ def test_tile_map_skips_masked_tiles():
 
 @given(T=st.integers(1, 90), S=st.integers(1, 90), bq=st.sampled_from([8, 16, 32]),
        bk=st.sampled_from([8, 16, 32]), causal=st.booleans(), window=st.one_of(
-           st.none(), st.integers(1, 40)), q_offset=st.integers(0, 20), sparse_seed=st.integers(0, 3))
+           st.none(), st.integers(1, 40)), q_offset=st.integers(0, 20),
+       sparse_seed=st.integers(0, 3))
 @example(T=64, S=64, bq=16, bk=16, causal=True, window=2, q_offset=0, sparse_seed=0)
 @example(T=50, S=70, bq=16, bk=32, causal=False, window=3, q_offset=5, sparse_seed=0)
 @settings(max_examples=150, deadline=None)

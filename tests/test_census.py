@@ -17,7 +17,8 @@ from tests.helpers import PLANS, tiny_config
     ("replica_groups={{0,2},{1,3}}, use_global_device_ids=true", [[0, 2], [1, 3]]),
     ("replica_groups=[2,4]<=[8], dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
     ("replica_groups=[4,2]<=[2,4]T(1,0), x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
-    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, use_global", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, use_global",
+     [[0, 1], [2, 3], [4, 5], [6, 7]]),
     ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, x", [[0, 2, 4, 6], [1, 3, 5, 7]]),
     ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
      "{'axis_2'}, x", [[0, 4], [2, 6], [1, 5], [3, 7]]),

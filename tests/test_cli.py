@@ -34,7 +34,8 @@ def test_train_writes_run_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, msg", [
     (["inspect", "nope"], "unknown experiment 'nope'"),
-    (["inspect", "llama_tiny", "--set", "mesh.dp=3"], "mesh asks for dp=3 x fsdp=2 x tp=2 = 12 devices"),
+    (["inspect", "llama_tiny", "--set", "mesh.dp=3"],
+     "mesh asks for dp=3 x fsdp=2 x tp=2 = 12 devices"),
     (["inspect", "llama_tiny", "--set", "model.nlayers=2"], "unknown config key 'model.nlayers'"),
     (["inspect", "llama_tiny", "--set", "mesh=tpu9"], "unknown mesh preset 'tpu9'"),
     (["inspect", "llama_tiny", "--set", "data.batch_size=6"], "not divisible by the data-parallel"),

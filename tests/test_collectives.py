@@ -1,4 +1,5 @@
-"""Hand-written collectives against the built-ins, the alpha-beta model, the benchmark's accounting."""
+"""Hand-written collectives against the built-ins, the alpha-beta model, the benchmark's
+accounting."""
 import json
 import math
 import re

@@ -40,7 +40,8 @@ def grads_tree(seed=0):
 
 
 def flat_n(tree):
-    return np.concatenate([np.asarray(l).reshape(N, -1) for l in jax.tree.leaves(tree)], axis=1)
+    return np.concatenate([np.asarray(leaf).reshape(N, -1) for leaf in jax.tree.leaves(tree)],
+                          axis=1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ def test_cast_mean_within_error(method, mesh2d):
     mean, _ = C.per_device_mean(method, mesh2d, ("dp", "fsdp"), block=block)(g, None)
     x = flat_n(g)                                     # [device, L]
     exact = x.mean(0)
-    got = np.concatenate([np.asarray(l).reshape(-1) for l in jax.tree.leaves(mean)])
+    got = np.concatenate([np.asarray(leaf).reshape(-1) for leaf in jax.tree.leaves(mean)])
     err = np.abs(got - exact)
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     amax = np.abs(x).max(0)                           # elementwise max over devices

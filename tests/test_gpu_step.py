@@ -11,8 +11,8 @@ from jaxscale.benchmarks import gpu_step
 
 def test_tiny_cpu_run_writes_table_json_and_png(tmp_path, capsys):
     rc = gpu_step.main(["--preset", "tiny", "--device", "cpu", "--sides",
-                        "jax,jax-xla-flags,jax-unrolled,torch-eager", "--warmup", "1", "--steps", "2",
-                        "--timeout", "120", "--out", str(tmp_path)])
+                        "jax,jax-xla-flags,jax-unrolled,torch-eager", "--warmup", "1",
+                        "--steps", "2", "--timeout", "120", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -25,7 +25,7 @@ def test_tiny_cpu_run_writes_table_json_and_png(tmp_path, capsys):
         assert r["mfu"] > 0
         assert len(r["step_times_s"]) == 3 and len(r["timed_times_s"]) == 2
         assert r["tokens_per_step"] == 4 * 64
-        assert all(l == l and l < 20 for l in r["losses"])          # finite losses
+        assert all(loss == loss and loss < 20 for loss in r["losses"])          # finite losses
         assert r["ratio_to"] == "torch-eager"
         assert side in out
     assert res["torch-eager"]["ratio"] == 1.0

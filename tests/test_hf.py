@@ -251,7 +251,8 @@ def test_mixtral_config_mapping():
     cfg = hf_config.config_from_hf(hfc)
     assert (cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.moe_aux_weight) == (4, 2, 48, 0.01)
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
-    assert hf_config.config_to_hf(tiny_config().model)["model_type"] == "llama"      # dense stays LLaMA
+    # dense stays LLaMA
+    assert hf_config.config_to_hf(tiny_config().model)["model_type"] == "llama"
     with pytest.raises(ValueError, match="sliding_window=4096"):
         hf_config.config_from_hf({**hfc, "sliding_window": 4096})
     with pytest.raises(ValueError, match="router_jitter_noise"):

@@ -106,7 +106,11 @@ def test_cublas_batched_gemm_and_inline_operand_types():
 ENTRY %main (a: f32[4,32,64], b: f32[4,64,16]) -> f32[4,32,16] {
   %a = f32[4,32,64]{2,1,0} parameter(0)
   %b = f32[4,64,16]{2,1,0} parameter(1)
-  %gemm = (f32[4,32,16]{2,1,0}, s8[1024]{0}) custom-call(f32[4,32,64]{2,1,0} %a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":["0"],"lhs_contracting_dimensions":["2"],"rhs_batch_dimensions":["0"],"rhs_contracting_dimensions":["1"]}}}
+  %gemm = (f32[4,32,16]{2,1,0}, s8[1024]{0}) custom-call(f32[4,32,64]{2,1,0} %a, %b), \
+custom_call_target="__cublas$gemm", \
+backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":["0"],\
+"lhs_contracting_dimensions":["2"],"rhs_batch_dimensions":["0"],\
+"rhs_contracting_dimensions":["1"]}}}
   ROOT %out = f32[4,32,16]{2,1,0} get-tuple-element(%gemm), index=0
 }
 """
@@ -155,12 +159,16 @@ def test_dedicated_async_collectives_counted_at_start():
 {_ADD}
 ENTRY %main (p: f32[1024]) -> f32[1024] {{
   %p = f32[1024]{{0}} parameter(0)
-  %ars = f32[1024]{{0}} all-reduce-start(%p), channel_id=1, {_G}, use_global_device_ids=true, to_apply=%add
+  %ars = f32[1024]{{0}} all-reduce-start(%p), channel_id=1, {_G}, use_global_device_ids=true, \
+to_apply=%add
   %ard = f32[1024]{{0}} all-reduce-done(%ars)
   %sl = f32[128]{{0}} slice(%ard), slice={{[0:128]}}
-  %ags = (f32[128]{{0}}, f32[1024]{{0}}) all-gather-start(%sl), channel_id=2, {_G}, dimensions={{0}}, use_global_device_ids=true
+  %ags = (f32[128]{{0}}, f32[1024]{{0}}) all-gather-start(%sl), channel_id=2, {_G}, \
+dimensions={{0}}, use_global_device_ids=true
   %agd = f32[1024]{{0}} all-gather-done(%ags)
-  %cps = (f32[1024]{{0}}, f32[1024]{{0}}, u32[], u32[]) collective-permute-start(%agd), channel_id=3, source_target_pairs={{{{0,1}},{{1,2}},{{2,3}},{{3,0}},{{4,5}},{{5,6}},{{6,7}},{{7,4}}}}
+  %cps = (f32[1024]{{0}}, f32[1024]{{0}}, u32[], u32[]) collective-permute-start(%agd), \
+channel_id=3, \
+source_target_pairs={{{{0,1}},{{1,2}},{{2,3}},{{3,0}},{{4,5}},{{5,6}},{{6,7}},{{7,4}}}}
   ROOT %cpd = f32[1024]{{0}} collective-permute-done(%cps)
 }}
 """
@@ -177,25 +185,30 @@ def test_async_wrapped_collectives_counted_once():
 {_ADD}
 %wrapped_all_reduce (a: f32[1024]) -> f32[1024] {{
   %a = f32[1024]{{0}} parameter(0)
-  ROOT %ar = f32[1024]{{0}} all-reduce(%a), channel_id=1, {_G}, use_global_device_ids=true, to_apply=%add
+  ROOT %ar = f32[1024]{{0}} all-reduce(%a), channel_id=1, {_G}, use_global_device_ids=true, \
+to_apply=%add
 }}, execution_thread="parallel"
 
 %wrapped_reduce_scatter (a: f32[1024]) -> f32[128] {{
   %a.1 = f32[1024]{{0}} parameter(0)
-  ROOT %rs = f32[128]{{0}} reduce-scatter(%a.1), channel_id=2, {_G}, dimensions={{0}}, use_global_device_ids=true, to_apply=%add
+  ROOT %rs = f32[128]{{0}} reduce-scatter(%a.1), channel_id=2, {_G}, dimensions={{0}}, \
+use_global_device_ids=true, to_apply=%add
 }}, execution_thread="parallel"
 
 %wrapped_all_to_all (a: f32[1024]) -> f32[1024] {{
   %a.2 = f32[1024]{{0}} parameter(0)
-  ROOT %a2a = f32[1024]{{0}} all-to-all(%a.2), channel_id=3, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{0}}
+  ROOT %a2a = f32[1024]{{0}} all-to-all(%a.2), channel_id=3, \
+replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{0}}
 }}, execution_thread="parallel"
 
 %body (c: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
   %c = (s32[], f32[1024]{{0}}) parameter(0)
   %i = s32[] get-tuple-element(%c), index=0
   %v = f32[1024]{{0}} get-tuple-element(%c), index=1
-  %s1 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-start(%v), async_execution_thread="parallel", calls=%wrapped_all_to_all
-  %u1 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-update(%s1), async_execution_thread="parallel", calls=%wrapped_all_to_all
+  %s1 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-start(%v), \
+async_execution_thread="parallel", calls=%wrapped_all_to_all
+  %u1 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-update(%s1), \
+async_execution_thread="parallel", calls=%wrapped_all_to_all
   %d1 = f32[1024]{{0}} async-done(%u1), async_execution_thread="parallel", calls=%wrapped_all_to_all
   %one = s32[] constant(1)
   %j = s32[] add(%i, %one)
@@ -211,13 +224,16 @@ def test_async_wrapped_collectives_counted_once():
 
 ENTRY %main (p: f32[1024]) -> f32[128] {{
   %p = f32[1024]{{0}} parameter(0)
-  %s0 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-start(%p), async_execution_thread="parallel", calls=%wrapped_all_reduce
+  %s0 = ((f32[1024]{{0}}), f32[1024]{{0}}, u32[]) async-start(%p), \
+async_execution_thread="parallel", calls=%wrapped_all_reduce
   %d0 = f32[1024]{{0}} async-done(%s0), async_execution_thread="parallel", calls=%wrapped_all_reduce
   %zero = s32[] constant(0)
   %t0 = (s32[], f32[1024]{{0}}) tuple(%zero, %d0)
-  %w = (s32[], f32[1024]{{0}}) while(%t0), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  %w = (s32[], f32[1024]{{0}}) while(%t0), condition=%cond, body=%body, \
+backend_config={{"known_trip_count":{{"n":"3"}}}}
   %v0 = f32[1024]{{0}} get-tuple-element(%w), index=1
-  %s2 = ((f32[1024]{{0}}), f32[128]{{0}}, u32[]) async-start(%v0), async_execution_thread="parallel", calls=%wrapped_reduce_scatter
+  %s2 = ((f32[1024]{{0}}), f32[128]{{0}}, u32[]) async-start(%v0), \
+async_execution_thread="parallel", calls=%wrapped_reduce_scatter
   ROOT %d2 = f32[128]{{0}} async-done(%s2)
 }}
 """
@@ -236,10 +252,14 @@ def test_sugared_async_collectives_counted_at_start():
 {_ADD}
 ENTRY %main (p: f32[1024]) -> f32[1024] {{
   %p = f32[1024]{{0}} parameter(0)
-  %rss = ((f32[1024]{{0}}), f32[128]{{0}}, u32[]) reduce-scatter-start(%p), async_execution_thread="parallel", channel_id=1, {_G}, dimensions={{0}}, use_global_device_ids=true, to_apply=%add
+  %rss = ((f32[1024]{{0}}), f32[128]{{0}}, u32[]) reduce-scatter-start(%p), \
+async_execution_thread="parallel", channel_id=1, {_G}, dimensions={{0}}, \
+use_global_device_ids=true, to_apply=%add
   %rsu = ((f32[1024]{{0}}), f32[128]{{0}}, u32[]) reduce-scatter-update(%rss)
   %rsd = f32[128]{{0}} reduce-scatter-done(%rsu)
-  %a2s = ((f32[1024]{{0}}), f32[1024]{{0}}) all-to-all-start(%p), async_execution_thread="parallel", channel_id=2, replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, dimensions={{0}}
+  %a2s = ((f32[1024]{{0}}), f32[1024]{{0}}) all-to-all-start(%p), \
+async_execution_thread="parallel", channel_id=2, \
+replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, dimensions={{0}}
   ROOT %a2d = f32[1024]{{0}} all-to-all-done(%a2s)
 }}
 """

@@ -1,6 +1,7 @@
 """The layout's contracts: layers that only point down, no import circles at any depth, the
 strategies independent of `train/` and `planner/`, a train step that names no strategy
-(`[tool.importlinter]` in pyproject.toml), and no library module over 400 lines.
+(`[tool.importlinter]` in pyproject.toml); no two modules of one name and no library module over
+400 lines.
 
 The contracts are checked by import-linter on the import graph of the package as it installs:
 `jaxscale/` and the top-level `models/`, `meshes/` and `benchmarks/` folders installed beneath it
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections import Counter
 from pathlib import Path
 
 import grimp
@@ -148,6 +150,13 @@ def test_the_graph_sees_the_installed_folders():
     lazy = graph.get_import_details(importer="jaxscale.strategies.remat",
                                     imported="jaxscale.models.llama")
     assert lazy and lazy[0]["line_contents"].startswith("from jaxscale.models.llama import")
+
+
+def test_one_name_one_module():
+    """No two modules share a name at two places (`compression.py` beside
+    `strategies/compression.py` was two homes of one feature): only a package's face repeats."""
+    names = Counter(p.name for folder in PACKAGES for p in (ROOT / folder).rglob("*.py"))
+    assert [n for n, k in names.items() if k > 1] == ["__init__.py"]
 
 
 @pytest.mark.parametrize("folder", LIBRARY)

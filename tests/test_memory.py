@@ -1,4 +1,5 @@
-"""Memory strategies: precision, loss scaling, accumulation, remat, ZeRO, offload, donation, leaks."""
+"""Memory strategies: precision, loss scaling, accumulation, remat, ZeRO, offload, donation,
+leaks."""
 import functools
 
 import jax

@@ -1,4 +1,5 @@
-"""MFU: one definition (`hardware.mfu`) with the plan's compute dtype, in the loop and the planner."""
+"""MFU: one definition (`hardware.mfu`) with the plan's compute dtype, in the loop and the
+planner."""
 import json
 
 import pytest
@@ -31,7 +32,8 @@ def test_train_metrics_use_the_plans_compute_dtype(tmp_path):
     row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     cfg = json.loads((out / "config.json").read_text())
     flops = ModelConfig(**{k: v for k, v in cfg["model"].items() if k != "rope_scaling"}) \
-        .flops_per_token(cfg["data"]["seq_len"]) * cfg["data"]["batch_size"] * cfg["data"]["seq_len"]
+        .flops_per_token(cfg["data"]["seq_len"]) \
+        * cfg["data"]["batch_size"] * cfg["data"]["seq_len"]
     bf16_peak = hardware.get("h200").peak_bf16
     assert row["mfu"] == pytest.approx(flops / row["step_time_s"] / (bf16_peak * 8), rel=1e-6)
 

@@ -1,8 +1,8 @@
-"""Collective matmul (jaxscale/strategies/overlap/collective_matmul.py) and plan.tp_overlap / plan.xla_preset
-(jaxscale/strategies/overlap/__init__.py): the decompositions equal the plain matmul, forward and
-backward; a TP+SP step with them equals the step without; its census shows ring permutes in
-place of the block's all-gathers and reduce-scatters, as the formula says; bad plans are refused
-by name; every XLA preset is accepted by the installed jaxlib and reaches the train step."""
+"""Collective matmul (jaxscale/strategies/overlap/collective_matmul.py) and plan.tp_overlap /
+plan.xla_preset (jaxscale/strategies/overlap/__init__.py): the decompositions equal the plain
+matmul, forward and backward; a TP+SP step with them equals the step without; its census shows ring
+permutes in place of the block's all-gathers and reduce-scatters, as the formula says; bad plans are
+refused by name; every XLA preset is accepted by the installed jaxlib and reaches the train step."""
 from functools import partial
 
 import jax
@@ -170,7 +170,8 @@ _SCHEDULED = """HloModule m, is_scheduled=true
 ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
   %a = f32[4,4]{1,0} parameter(0)
   %b = f32[4,4]{1,0} parameter(1)
-  %ags = (f32[4,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %ags = (f32[4,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%a), channel_id=1, \
+replica_groups={{0,1}}, dimensions={0}
   %mm = f32[4,4]{1,0} fusion(%b, %b), kind=kOutput, calls=%fused
   %agd = f32[8,4]{1,0} all-gather-done(%ags)
   %cp = f32[4,4]{1,0} collective-permute(%mm), channel_id=2, source_target_pairs={{0,1},{1,0}}

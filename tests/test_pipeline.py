@@ -1,8 +1,8 @@
-"""The pipeline engine over pp (`jaxscale.strategies.pp.engine`): every schedule's loss and gradients equal
-the unpipelined model's with fsdp and tp on the same mesh; the compiled collective-permutes and
-memory against the planner (GPipe growing with m, 1F1B flat); a checkpoint written under an
-interleaved pp=2 plan restored at pp=1; a composed plan (dp, tp, ZeRO-1, bf16, remat) training
-as the same plan without pp does; clear errors for plans the engine cannot run."""
+"""The pipeline engine over pp (`jaxscale.strategies.pp.engine`): every schedule's loss and
+gradients equal the unpipelined model's with fsdp and tp on the same mesh; the compiled
+collective-permutes and memory against the planner (GPipe growing with m, 1F1B flat); a checkpoint
+written under an interleaved pp=2 plan restored at pp=1; a composed plan (dp, tp, ZeRO-1, bf16,
+remat) training as the same plan without pp does; clear errors for plans the engine cannot run."""
 import jax
 import numpy as np
 import pytest

@@ -1,6 +1,6 @@
-"""Pipeline schedules as data (`jaxscale.strategies.pp.schedules`): the simulator against the closed-form
-bubbles, peak activations in flight, every op once with its dependencies kept, clear errors for
-bad (p, m, v, layers), and the Gantt PNG. Pure Python, no JAX work: about a second."""
+"""Pipeline schedules as data (`jaxscale.strategies.pp.schedules`): the simulator against the
+closed-form bubbles, peak activations in flight, every op once with its dependencies kept, clear
+errors for bad (p, m, v, layers), and the Gantt PNG. Pure Python, no JAX work: about a second."""
 import itertools
 
 import pytest
@@ -45,7 +45,7 @@ def test_gpipe_1f1b_interleaved_formulas_spelled_out(p, m):
     assert bub["1f1b"] == pytest.approx((p - 1) / (m + p - 1))
     assert bub["interleaved"] == pytest.approx((p - 1) / (2 * m + p - 1))
     assert ps.simulate(ps.naive(p)).bubble == pytest.approx((p - 1) / p)
-    # Megatron's form (idle over compute), the one strategies/pp.py plans with
+    # Megatron's form (idle over compute), the one strategies/pp/ plans with
     one = ps.simulate(ps.one_f_one_b(p, m))
     assert one.overhead == pytest.approx((p - 1) / m)
     assert ps.simulate(ps.interleaved(p, m, 2)).overhead == pytest.approx((p - 1) / (2 * m))

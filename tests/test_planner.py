@@ -28,10 +28,10 @@ def _compiled(plan):
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_prediction_matches_compiled_step(plan):
     """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validation.TOLERANCE` (5%,
-    20%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled explicitly, not by
-    tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice (the prediction
-    names that kind per collective), and the LM head's backward all-gather is `optional`
-    (XLA's CSE merges it with the forward one on some configs, not on others)."""
+    20%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled
+    explicitly, not by tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice
+    (the prediction names that kind per collective), and the LM head's backward all-gather is
+    `optional` (XLA's CSE merges it with the forward one on some configs, not on others)."""
     cfg, rep = _compiled(plan)
     cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
     rows = {r["what"]: r["ratio"] for r in cmp["memory"]}
@@ -53,7 +53,8 @@ def test_reduce_scatter_is_mapped_to_the_all_reduce_xla_cpu_emits():
     rs = [c for c in pred.collectives if c.kind == "reduce-scatter"]
     assert rs and all(c.cpu_kind == "all-reduce" and c.axes == ("fsdp",) for c in rs)
     assert not [c for c in rep["collectives"] if c["kind"] == "reduce-scatter"]
-    row = [r for r in validation.comm_rows(pred, rep["collectives"]) if r["kind"] == "all-reduce"][0]
+    row = [r for r in validation.comm_rows(pred, rep["collectives"])
+           if r["kind"] == "all-reduce"][0]
     assert "all-reduce + slice" in row["note"]
     # on a GPU the same prediction is a reduce-scatter row of its own
     gpu = {(r["kind"], tuple(r["axes"])) for r in validation.comm_rows(pred, [], backend="gpu")}
@@ -69,7 +70,8 @@ def test_parameter_table_matches_the_model():
         real = {"/".join(str(k.key) for k in path): (leaf.shape, tuple(spec))
                 for (path, leaf), spec in zip(
                     jax.tree_util.tree_leaves_with_path(fm.abstract_params),
-                    jax.tree.leaves(fm.logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))}
+                    jax.tree.leaves(fm.logical,
+                                    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))}
         table = {leaf.path: (leaf.shape, leaf.axes) for leaf in params.leaves(model)}
         assert table == real
 

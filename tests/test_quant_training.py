@@ -149,7 +149,8 @@ def test_fp8_records_the_largest_amax_over_micro_batches(fp8_one, batches, initi
         state = jax.device_put(dataclasses.replace(initial, quant=fresh),
                                run.setup.state_shardings)
         batch = jax.device_put(host_batch, run.setup.batch_shardings())
-        return np.asarray(jax.device_get(run.compiled(state, batch)[0].quant)["amax_history"])[..., 0]
+        quant = jax.device_get(run.compiled(state, batch)[0].quant)
+        return np.asarray(quant["amax_history"])[..., 0]
     fwd = [i for i, s in enumerate(numerics.SLOTS) if s[0] in "xw"]
     both = newest(acc, rows)[:, fwd]
     alone = [newest(fp8_one, m)[:, fwd] for m in micro]

@@ -1,7 +1,7 @@
-"""Compression library (`jaxscale.strategies.qat.ptq`): int8/int6/int4 weight-only PTQ of the tiny model
-(logit error, exact bytes, per-element error bound), magnitude and 2:4 pruning masks (exact
-counts, the right axis), the cubic sparsity schedule, the distillation loss (zero at T=1 for
-equal logits, gradient vs finite differences), and errors naming the bad argument."""
+"""Compression library (`jaxscale.strategies.qat.ptq`): int8/int6/int4 weight-only PTQ of the tiny
+model (logit error, exact bytes, per-element error bound), magnitude and 2:4 pruning masks (exact
+counts, the right axis), the cubic sparsity schedule, the distillation loss (zero at T=1 for equal
+logits, gradient vs finite differences), and errors naming the bad argument."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,7 +187,8 @@ def test_distillation_loss():
         fd = (float(loss(s.at[idx].add(eps))) - float(loss(s.at[idx].add(-eps)))) / (2 * eps)
         assert g[idx] == pytest.approx(fd, rel=2e-3, abs=1e-5), idx
     assert np.all(g[0, 2] == 0)
-    assert np.all(np.asarray(jax.grad(lambda x: distill.distillation_loss(s, x, 2.0, mask))(t)) == 0)
+    assert np.all(
+        np.asarray(jax.grad(lambda x: distill.distillation_loss(s, x, 2.0, mask))(t)) == 0)
     # combined objective: alpha (the teacher's weight, as train.distill_alpha) = 1 is the
     # distillation loss, alpha = 0 the cross entropy
     y = jnp.asarray(rng.integers(0, 7, (2, 3)))

@@ -16,7 +16,8 @@ from tests.helpers import tiny_config
 
 @pytest.fixture(scope="module")
 def bf16_setup():
-    return build(tiny_config("plan.precision=bf16", "model.attention=blockwise", "model.n_layers=3"))
+    return build(tiny_config("plan.precision=bf16", "model.attention=blockwise",
+                             "model.n_layers=3"))
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +108,9 @@ def test_scan_body_copies_no_stacked_buffer(bf16_text, bf16_setup):
 
 def test_update_writes_the_donated_state_in_place(bf16_text):
     """The optimizer update reads each old master weight and moment once and overwrites it: no
-    copy of any train-state array at the step's entry (the step counter, a scalar, may be). A select of new against old for the
-    non-finite guard read the old state again after the update, and XLA then copied the master
-    weights and moments at entry (`precision.update_if_finite`)."""
+    copy of any train-state array at the step's entry (the step counter, a scalar, may be). A select
+    of new against old for the non-finite guard read the old state again after the update, and XLA
+    then copied the master weights and moments at entry (`precision.update_if_finite`)."""
     module = hlo.Module(bf16_text)
     state = {i.name for i in module.instrs if i.computation == module.entry
              and i.opcode == "parameter" and 'op_name="state.' in i.rest

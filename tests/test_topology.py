@@ -1,5 +1,5 @@
-"""Network topologies (`jaxscale.comm.topology`, plain Python): which flows are fast on each, and the
-all-reduce algorithm each favours; one node reduces to the NVLink ring."""
+"""Network topologies (`jaxscale.comm.topology`, plain Python): which flows are fast on each, and
+the all-reduce algorithm each favours; one node reduces to the NVLink ring."""
 import pytest
 
 from jaxscale.comm import topology as T
@@ -19,7 +19,7 @@ def test_flows_follow_the_topology():
     assert fly.flow((0, 0), (5, 0), senders=8).bandwidth == 100e9 / 8
 
 
-def test_one_node_is_the_nvlink_ring_and_two_levels_match_collective_algorithms():
+def test_one_node_is_the_nvlink_ring_and_two_levels_match_algorithm_cost():
     one = T.Topology(1, 8)
     assert T.all_reduce_time(one, "flat_ring", 1e9) == pytest.approx(
         2 * 7 * (one.intra.alpha + 1e9 / 8 / one.intra.bandwidth))

@@ -183,7 +183,8 @@ def report(cfg, devices=None) -> dict:
             r["note"] = "; ".join(n for n in (r["note"], "16-bit values carried in f32: XLA:CPU "
                                               "widens them after partitioning") if n)
     return {
-        "mesh": {a: int(s) for a, s in zip(placement.mesh.axis_names, placement.mesh.devices.shape)},
+        "mesh": {a: int(s)
+                 for a, s in zip(placement.mesh.axis_names, placement.mesh.devices.shape)},
         "rules": placement.rules.as_dict(),
         "memory": memory(compiled),
         "collectives": observed,

@@ -18,8 +18,9 @@ TOLERANCE = {"argument+output": 0.05, "temp": 0.20, "collective": 0.02, "flops":
 
 
 def comm_rows(pred, census: list[dict], backend: str = "cpu") -> list[dict]:
-    """The collectives of `pred` against the census: `jaxscale.analysis.inspect.theory_vs_census` (the
-    one comparison `inspect` prints too), with `predicted` / `compiled` bytes and their ratio."""
+    """The collectives of `pred` against the census: `jaxscale.analysis.inspect.theory_vs_census`
+    (the one comparison `inspect` prints too), with `predicted` / `compiled` bytes and their
+    ratio."""
     from jaxscale.analysis.inspect import theory_vs_census
     def ratio(r):
         if not r["census_bytes"]:        # scalar partial sums in tuples count 0 bytes on both

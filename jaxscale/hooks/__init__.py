@@ -46,6 +46,7 @@ def implementation(seam: str):
         return None
     if name not in SEAMS[seam]:
         raise ValueError(f"the rules name {name!r} for the model's {seam} seam, but nothing is "
-                         f"registered under it (registered: {', '.join(sorted(SEAMS[seam])) or 'none'}); "
+                         "registered under it (registered: "
+                         f"{', '.join(sorted(SEAMS[seam])) or 'none'}); "
                          f"strategies register when `jaxscale.plan` is imported")
     return SEAMS[seam][name], ctx[0], ctx[1]

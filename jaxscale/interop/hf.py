@@ -195,7 +195,8 @@ class Loaded:
     cfg: Any            # jaxscale.config.Config with the checkpoint's model
     placement: Any      # the mesh and rules the params are sharded for (jaxscale.plan.Placement)
     params: dict
-    tokenizer: Any = None   # the directory's tokenizer (`jaxscale.data.tokenizer`), None if it has none
+    tokenizer: Any = None   # the directory's tokenizer (`jaxscale.data.tokenizer`), None if it
+                            # has none
 
 
 def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:

@@ -1,6 +1,7 @@
 """Hugging Face `config.json` <-> `ModelConfig` for `LlamaForCausalLM` and `MixtralForCausalLM`
 (transformers 4 `rope_theta` + `rope_scaling`, or transformers 5 `rope_parameters`); whatever the
-jaxscale model cannot express is a `ValueError` naming the field. The weights: `jaxscale/interop/hf.py`."""
+jaxscale model cannot express is a `ValueError` naming the field. The weights:
+`jaxscale/interop/hf.py`."""
 from __future__ import annotations
 
 from typing import Any

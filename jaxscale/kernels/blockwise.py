@@ -33,7 +33,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 # ----------------------------------------------------------------------------- per-tile steps
 def init_carry(q_BTHD, num_kv_heads: int):
-    """Empty running state (m, l, acc) for queries q: m, l [B, K, G, T]; acc [B, K, G, T, D] fp32."""
+    """Empty running state (m, row_sum, acc) for queries q: m, row_sum [B, K, G, T];
+    acc [B, K, G, T, D] fp32."""
     B, T, H, D = q_BTHD.shape
     G = H // num_kv_heads
     m = jnp.full((B, num_kv_heads, G, T), MASK_VALUE, jnp.float32)
@@ -41,10 +42,11 @@ def init_carry(q_BTHD, num_kv_heads: int):
 
 
 def online_softmax_step(q_BTHD, k_BSKD, v_BSKD, carry, *, scale: float, mask=None):
-    """Fold one key/value block into the running (m, l, acc) of queries q. mask [B or 1, T, S]."""
+    """Fold one key/value block into the running (m, row_sum, acc) of queries q.
+    mask [B or 1, T, S]."""
     B, T, H, D = q_BTHD.shape
     K = k_BSKD.shape[2]
-    m, l, acc = carry
+    m, row_sum, acc = carry
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
     s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                          preferred_element_type=jnp.float32) * scale
@@ -55,21 +57,21 @@ def online_softmax_step(q_BTHD, k_BSKD, v_BSKD, carry, *, scale: float, mask=Non
     if mask is not None:
         p_BKGTS = jnp.where(mask[:, None, None], p_BKGTS, 0.0)
     alpha = jnp.exp(m - m_new)
-    l = alpha * l + p_BKGTS.sum(-1)
+    row_sum = alpha * row_sum + p_BKGTS.sum(-1)
     pv_BKGTD = jnp.einsum("bkgts,bskd->bkgtd", p_BKGTS.astype(v_BSKD.dtype), v_BSKD,
                           preferred_element_type=jnp.float32)
-    return m_new, l, alpha[..., None] * acc + pv_BKGTD
+    return m_new, row_sum, alpha[..., None] * acc + pv_BKGTD
 
 
 def finalize(carry):
-    """(m, l, acc) -> (o [B, T, H, D] fp32, lse [B, H, T]); rows that saw no key give o = 0 and
-    lse = MASK_VALUE (so exp(s - lse) is never used for them: their mask is all False)."""
-    m, l, acc = carry
+    """(m, row_sum, acc) -> (o [B, T, H, D] fp32, lse [B, H, T]); rows that saw no key give o = 0
+    and lse = MASK_VALUE (so exp(s - lse) is never used for them: their mask is all False)."""
+    m, row_sum, acc = carry
     B, K, G, T, D = acc.shape
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_BKGTD = acc / l_safe[..., None]
-    lse_BKGT = jnp.where(empty, MASK_VALUE, m + jnp.log(l_safe))
+    empty = row_sum == 0.0
+    row_sum_safe = jnp.where(empty, 1.0, row_sum)
+    o_BKGTD = acc / row_sum_safe[..., None]
+    lse_BKGT = jnp.where(empty, MASK_VALUE, m + jnp.log(row_sum_safe))
     o_BTHD = jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4)).reshape(B, T, K * G, D)
     return o_BTHD, lse_BKGT.reshape(B, K * G, T)
 
@@ -94,7 +96,8 @@ def block_grads(q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, *, scale: f
     dv_BSKD = jnp.einsum("bkgts,btkgd->bskd", p_BKGTS.astype(do_BTHD.dtype), do_BTKGD,
                          preferred_element_type=jnp.float32)
     dp_BKGTS = jnp.einsum("btkgd,bskd->bkgts", do_BTKGD, v_BSKD, preferred_element_type=jnp.float32)
-    ds_BKGTS = (p_BKGTS * (dp_BKGTS - delta_BHT.reshape(B, K, G, T)[..., None])).astype(q_BTHD.dtype)
+    ds_BKGTS = (p_BKGTS * (dp_BKGTS - delta_BHT.reshape(B, K, G, T)[..., None])
+                ).astype(q_BTHD.dtype)
     dq_BTKGD = jnp.einsum("bkgts,bskd->btkgd", ds_BKGTS, k_BSKD,
                           preferred_element_type=jnp.float32) * scale
     dk_BSKD = jnp.einsum("bkgts,btkgd->bskd", ds_BKGTS, q_BTKGD,
@@ -127,7 +130,8 @@ class _Static:
         qs = None if qseg is None else jax.lax.dynamic_slice_in_dim(qseg, i * bq, bq, 1)
         ks = None if kvseg is None else jax.lax.dynamic_slice_in_dim(kvseg, j * bk, bk, 1)
         return tile_mask(q_pos + self.q_offset, kv_pos, causal=self.causal, window=self.window,
-                         kv_len=self.S, q_len=self.T + self.q_offset, q_segment_ids=qs, kv_segment_ids=ks)
+                         kv_len=self.S, q_len=self.T + self.q_offset, q_segment_ids=qs,
+                         kv_segment_ids=ks)
 
 
 def _forward(st: _Static, q, k, v, qseg, kvseg):
@@ -217,7 +221,8 @@ _attention_padded.defvjp(_attention_padded_fwd, _attention_padded_bwd)
 def check_inputs(q, k, v, segment_ids, kv_segment_ids, window):
     """Shape validation shared by the kernels; returns kv segment ids (defaulting to q's)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"expected q [B,T,H,D], k/v [B,S,K,D]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"expected q [B,T,H,D], k/v [B,S,K,D]; got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
     B, T, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")

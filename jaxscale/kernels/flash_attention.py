@@ -101,8 +101,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segmen
     Dp = head_dim_bucket(D)
     cfg = _Cfg(T, S, bool(causal), window, int(q_offset),
                float(D ** -0.5 if scale is None else scale), block_mask, tuning.with_blocks(blocks),
-               segment_ids is not None, default_interpret() if interpret is None else bool(interpret),
-               precision)
+               segment_ids is not None,
+               default_interpret() if interpret is None else bool(interpret), precision)
     qseg = None if segment_ids is None else pad_to(segment_ids.astype(jnp.int32), Tp, 1, -1)
     kseg = None if kv_segment_ids is None else pad_to(kv_segment_ids.astype(jnp.int32), Sp, 1, -2)
     q_p = pad_to(pad_to(q, Tp, 1), Dp, 3)                    # [B, Tp, H, Dp]

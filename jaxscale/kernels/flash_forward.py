@@ -151,7 +151,7 @@ def _fwd_kernel(*refs, cfg: _Cfg, bq: int, bk: int, nq: int, n_tab: int):
     qk_scale = cfg.scale * LOG2E                            # exp2 domain
 
     def visit(j, carry, masked):
-        m, l, acc = carry
+        m, row_sum, acc = carry
         rows = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k, v = k_ref[rows, :], v_ref[rows, :]               # [bk, Dp]
         s = _dot(q, k, cfg) * qk_scale                      # [bq, bk] fp32
@@ -165,15 +165,15 @@ def _fwd_kernel(*refs, cfg: _Cfg, bq: int, bk: int, nq: int, n_tab: int):
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp2(m - m_new)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, cfg, (1, 0))
-        return m_new, alpha * l + jnp.sum(p, axis=1), acc
+        return m_new, alpha * row_sum + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((bq,), MASK_VALUE, F32), jnp.zeros((bq,), F32),
             jnp.zeros((bq, q.shape[-1]), F32))
-    m, l, acc = _row_loop(tabs, i, visit, init, cfg.has_seg)
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, MASK_VALUE, m + jnp.log2(l_safe))   # base-2 log-sum-exp
+    m, row_sum, acc = _row_loop(tabs, i, visit, init, cfg.has_seg)
+    empty = row_sum == 0.0
+    row_sum_safe = jnp.where(empty, 1.0, row_sum)
+    o_ref[...] = (acc / row_sum_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, MASK_VALUE, m + jnp.log2(row_sum_safe))   # base-2 log-sum-exp
 
 
 def _forward(cfg: _Cfg, q, k, v, qseg, kseg):

@@ -29,8 +29,8 @@ def attention_mask(T: int, S: int, *, causal: bool, window: int | None = None,
     return mask
 
 
-def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int | None = None,
-                        mask=None, scale: float | None = None):
+def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None,
+                        window: int | None = None, mask=None, scale: float | None = None):
     """Softmax(q k^T * scale + mask) v with fp32 softmax; rows with no allowed key give zeros."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -38,7 +38,8 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, windo
         raise ValueError(f"query heads {H} must be a multiple of key/value heads {K}")
     scale = D ** -0.5 if scale is None else scale
     q_BTKGD = q.reshape(B, T, K, H // K, D)
-    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k, preferred_element_type=jnp.float32) * scale
+    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k,
+                         preferred_element_type=jnp.float32) * scale
     m_BTS = attention_mask(T, S, causal=causal, window=window, q_segment_ids=segment_ids)
     if mask is not None:
         m_BTS = m_BTS & mask

@@ -9,11 +9,11 @@
 The plan (`jaxscale.plan.Spec`) and every formula come from the strategy modules
 (`jaxscale/strategies/*`: their collectives and memory terms), the same ones `train` builds from
 and `inspect` compares against; the planner adds the model's tables and the time model.
-Modules: `predict` (a plan's `Prediction`), `memory` (the per-device ledger), `perf` (FLOPs, time, MFU), `gpt` (the GPT block of
-the literature), `search` (enumeration, ranking, what would make a plan fit), `report` (table,
-JSON, PNG), `command` (`jaxscale plan`). The model tables they read (parameters, activations per
-layer) are `jaxscale.strategies.tables`; the check against the compiler is
-`jaxscale.analysis.validation`.
+Modules: `predict` (a plan's `Prediction`), `memory` (the per-device ledger), `perf` (FLOPs, time,
+MFU), `gpt` (the GPT block of the literature), `search` (enumeration, ranking, what would make a
+plan fit), `report` (table, JSON, PNG), `command` (`jaxscale plan`). The model tables they read
+(parameters, activations per layer) are `jaxscale.strategies.tables`; the check against the compiler
+is `jaxscale.analysis.validation`.
 """
 from jaxscale.planner.predict import Prediction, predict, predict_spec
 from jaxscale.planner.search import check_fits

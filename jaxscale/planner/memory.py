@@ -10,8 +10,8 @@ N devices in the ZeRO group): mixed-precision Adam keeps 2 Psi (16-bit parameter
 ZeRO-3 16 Psi / N (`model_states`, exact for the paper's 7.5B / N = 64 example: 120, 31.4, 16.6,
 1.9 GB). Offloaded parts move to host memory (`offload.memory`).
 
-Activations (`remat.memory`, `pp.memory`): `activations.py` per layer x layers per pipeline stage
-x micro-batches in flight.
+Activations (`remat.memory`, `pp.memory`): `tables/activations.py` per layer x layers per pipeline
+stage x micro-batches in flight.
 
 Temporaries are the peak of two phases of the compiled step, as XLA schedules it:
 - backward: saved activations + the model's terms (the local gradient buffer, one layer's
@@ -112,11 +112,10 @@ def model_terms(spec, full) -> list[Term]:
 
 
 def attention_tiles(spec) -> float:
-    """The blockwise attention backward's fp32 working tiles on one device: scores,
-    probabilities and their gradients, 4 [micro-batch, heads / tp, b, b] tiles with
-    b = min(512, sequence). Fused kernels (pallas, cudnn) keep their tiles on chip, and the `xla`
-    implementation's scores are activations (`activations.py`); context parallelism has its own
-    (`sp.memory`)."""
+    """The blockwise attention backward's fp32 working tiles on one device: scores, probabilities
+    and their gradients, 4 [micro-batch, heads / tp, b, b] tiles with b = min(512, sequence). Fused
+    kernels (pallas, cudnn) keep their tiles on chip, and the `xla` implementation's scores are
+    activations (`tables/activations.py`); context parallelism has its own (`sp.memory`)."""
     if spec.attention != "blockwise" or spec.deg("sp") > 1:
         return 0.0
     b = min(512, spec.seq)

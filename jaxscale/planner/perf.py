@@ -28,7 +28,8 @@ Step time (stated assumptions):
 - pipeline bubble on top of the ideal time (`jaxscale.strategies.pp.bubble_fraction`);
 - host offload transfers (PCIe) are not overlapped.
 MFU = model FLOPs / (step time x the dense peak of the plan's compute dtype): `hardware.mfu`, the
-one definition the train loop and inspect use too. The result is a roofline-style bound that ranks plans; measured MFU lands below it.
+one definition the train loop and inspect use too. The result is a roofline-style bound that ranks
+plans; measured MFU lands below it.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ from jaxscale.strategies.tables.activations import expert_rows, ragged_dense
 def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows: float = 0.0,
                           moe_share: float = 1.0) -> dict:
     """Forward matmul FLOPs per token of one block, by part; a mixture of experts computes
-    `expert_rows` expert MLP rows per token (`tables.activations.expert_rows`: the slots of its capacity buffer,
-    padding included) plus the router, in `moe_share` of the layers (the rest are dense)."""
+    `expert_rows` expert MLP rows per token (`tables.activations.expert_rows`: the slots of its
+    capacity buffer, padding included) plus the router, in `moe_share` of the layers (the rest are
+    dense)."""
     d, hd, H, K, f, E = (model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim,
                          model.moe_experts)
     attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)

@@ -139,7 +139,8 @@ def fixes(spec: Spec) -> list[tuple[str, dict]]:
             out.append((f"plan.remat={r}", {"remat": r}))
     for k in (2, 4, 8):
         if spec.accumulate * k <= spec.local_batch:
-            out.append((f"plan.accumulate={spec.accumulate * k}", {"accumulate": spec.accumulate * k}))
+            out.append((f"plan.accumulate={spec.accumulate * k}",
+                        {"accumulate": spec.accumulate * k}))
     if dp > 1:
         out.append((f"mesh.dp=1 mesh.fsdp={fsdp * dp}",
                     {"degrees": dict(spec.degrees, dp=1, fsdp=fsdp * dp)}))

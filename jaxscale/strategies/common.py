@@ -17,7 +17,8 @@ class Comm:
     `bytes` is the message size summed over the `count` executions per step (nccl-tests "size":
     an all-gather's output, a reduce-scatter's input); `group` the devices in each replica group.
     """
-    kind: str                 # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    kind: str                 # all-reduce | all-gather | reduce-scatter | all-to-all |
+                              # collective-permute
     axes: tuple[str, ...]     # mesh axes the replica groups span
     bytes: float
     count: int = 1

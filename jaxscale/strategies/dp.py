@@ -61,7 +61,7 @@ def collectives(spec) -> list[Comm]:
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
     if (not data and not seq) or spec.compression != "none" or spec.sparse_embedding \
             or spec.local_sgd != "none":
-        return []           # compression.py / sparse_embedding.py / local_sgd.py reduce then
+        return []           # compression/ / sparse_embedding.py / local_sgd/ reduce then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.stage_layers
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])

@@ -9,10 +9,11 @@ dynamic loss scaling for fp16.
 
 Saves: with Adam, bf16/fp16 hold 2 (params) + 2 (grads) + 4 (master) + 8 (moments) = 16 bytes
 per parameter (ZeRO's accounting), fp32 holds 4 + 4 + 8 = 16 as well, but activations and
-gradient collectives are half the size in 16-bit. Costs: numerics (loss scaling for fp16). Collectives: none added; gradient all-reduce /
-reduce-scatter bytes halve because gradients are taken with respect to the 16-bit parameters
-(except the LM head's and the norm scales', whose products accumulate in f32: 0.544 of fp32 on the
-tiny model). XLA:CPU widens bf16 all-reduces to f32 after partitioning, so only GPUs show it.
+gradient collectives are half the size in 16-bit. Costs: numerics (loss scaling for fp16).
+Collectives: none added; gradient all-reduce / reduce-scatter bytes halve because gradients are
+taken with respect to the 16-bit parameters (except the LM head's and the norm scales', whose
+products accumulate in f32: 0.544 of fp32 on the tiny model). XLA:CPU widens bf16 all-reduces to f32
+after partitioning, so only GPUs show it.
 
 Loss scaling (fp16 only by default): the loss is multiplied by `scale` before differentiation and
 gradients divided by it after; a step with a non-finite gradient is skipped (parameters, master
@@ -89,8 +90,8 @@ def policy(plan_cfg) -> Policy:
         try:
             scale = float(ls)
         except ValueError:
-            raise ValueError(f"plan.loss_scale={plan_cfg.loss_scale!r}: give auto, dynamic, none or "
-                             f"an initial scale (a number)") from None
+            raise ValueError(f"plan.loss_scale={plan_cfg.loss_scale!r}: give auto, dynamic, none "
+                             "or an initial scale (a number)") from None
         if scale <= 0:
             raise ValueError(f"plan.loss_scale must be positive, got {scale}")
     return Policy(name, pd, cd, "float32", master, scale)
@@ -120,8 +121,8 @@ def compute_itemsize(spec) -> int:
 
 def state_bytes(spec) -> dict[str, float]:
     """Per-device bytes of the model state with Adam: working parameters, gradients, fp32 master
-    weights (16-bit policies) and the optimizer moments (`Spec.moments`; fp32 for 16-bit policies), over the elements
-    each part keeps under the plan (`zero.shards`: the rules and ZeRO)."""
+    weights (16-bit policies) and the optimizer moments (`Spec.moments`; fp32 for 16-bit policies),
+    over the elements each part keeps under the plan (`zero.shards`: the rules and ZeRO)."""
     sh = zero.shards(spec)
     pb = param_itemsize(spec)
     return {"params": sh.params * pb, "grads": sh.grads * pb,

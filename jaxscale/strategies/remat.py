@@ -2,16 +2,15 @@ r"""Activation checkpointing (rematerialisation) as policies over the model's na
 
 The model tags activations with `checkpoint_name` (`jaxscale.models.llama.TAGS`); each layer's
 pure function is wrapped in `jax.checkpoint` with a policy saying, per name, save (keep for the
-backward), remat (recompute in the backward) or offload (keep in `pinned_host` memory):
-
-| policy               | saved                                        | recomputed per layer      |
-|----------------------|----------------------------------------------|---------------------------|
-| `none`               | everything the backward needs                | nothing                   |
-| `full`               | the layer input only                         | the whole layer forward   |
-| `save_dots`          | matmul outputs without batch dims (projections) | norms, activations, attention scores |
-| `save_attention_out` | the attention output                         | everything else           |
-| `offload`            | projections and attention output, on the host | the rest                  |
-| custom `name:save\|remat\|offload,...` | as given; unnamed tags are rematerialised | |
+backward), remat (recompute in the backward) or offload (keep in `pinned_host` memory). The
+policies, what each saves and what it recomputes per layer:
+- `none`: saves everything the backward needs, recomputes nothing;
+- `full`: saves the layer input only, recomputes the whole layer forward;
+- `save_dots`: saves the matmul outputs without batch dims (the projections), recomputes the
+  norms, activations and attention scores;
+- `save_attention_out`: saves the attention output, recomputes everything else;
+- `offload`: keeps the projections and the attention output on the host, recomputes the rest;
+- a custom `name:save|remat|offload,...`: as given; unnamed tags are rematerialised.
 
 Saves: activations fall to the layer input plus what the policy keeps, per layer; one layer's
 activations are rebuilt while its backward runs. Costs: full remat replays each layer's forward
@@ -48,9 +47,9 @@ def parse(policy: str) -> dict[str, str] | str:
     if policy == "":
         return "none"
     if ":" not in policy:
-        raise ValueError(f"unknown plan.remat {policy!r}; valid: {', '.join(POLICIES)}, or a custom "
-                         f"mapping like 'attn_out:save,mlp_hidden:offload' over the model's tags: "
-                         f"{', '.join(TAGS)}")
+        raise ValueError(f"unknown plan.remat {policy!r}; valid: {', '.join(POLICIES)}, or a "
+                         "custom mapping like 'attn_out:save,mlp_hidden:offload' over the model's "
+                         f"tags: {', '.join(TAGS)}")
     mapping = {}
     for item in policy.split(","):
         name, _, action = item.strip().partition(":")

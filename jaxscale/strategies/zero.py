@@ -17,10 +17,10 @@ a collective-permute over (dp, fsdp): up to 714 KB per step on the tiny 2x2x2 me
 keeps ('dp', 'fsdp'), the order FSDP gathers over and the batch is split in.
 Saves: the state above, per device. Costs, in collectives per step: stage 1 all-reduces
 gradients (2 Psi), updates its shard and all-gathers the new parameters (Psi); stage 2
-reduce-scatters gradients (Psi) and all-gathers parameters (Psi): 2 Psi; stage 3 all-gathers parameters in forward and
-backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's, over (dp, fsdp): `fsdp.py`;
-the gradient reduction is the data axes', `dp.py`). XLA may turn stage 1's all-reduce + slice
-into a reduce-scatter itself.
+reduce-scatters gradients (Psi) and all-gathers parameters (Psi): 2 Psi; stage 3 all-gathers
+parameters in forward and backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's,
+over (dp, fsdp): `fsdp.py`; the gradient reduction is the data axes', `dp.py`). XLA may turn stage
+1's all-reduce + slice into a reduce-scatter itself.
 
 In the step (`shape_step`): `state_specs` gives each part of the train state its layout;
 gradients take the sharded layout from stage 2 (`StateSpecs.grads`).
@@ -52,8 +52,9 @@ def shard_factor(spec, part: str) -> int:
 
 def shard_spec(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
                axis: str = AXIS):
-    """The PartitionSpec `partition` with `axis` added on one dimension (see module docstring): at stages 1 and 2 after
-    the axes already there (it splits each of their shards), at stage 3 before them."""
+    """The PartitionSpec `partition` with `axis` added on one dimension (see module docstring): at
+    stages 1 and 2 after the axes already there (it splits each of their shards), at stage 3 before
+    them."""
     from jax.sharding import PartitionSpec as P
     n = axis_sizes.get(axis, 1)
     entries = list(partition) + [None] * (len(shape) - len(partition))

@@ -51,10 +51,12 @@ class FunctionalModel:
         return self.module(params)(tokens_BT, positions_BT, segment_ids_BT, block_wrapper)
 
     def param_shardings(self, placement) -> dict:
-        return jax.tree.map(lambda s: placement.sharding(tuple(s)), self.logical, is_leaf=is_partition)
+        return jax.tree.map(lambda s: placement.sharding(tuple(s)), self.logical,
+                            is_leaf=is_partition)
 
     def param_specs(self, placement) -> dict:
-        return jax.tree.map(lambda s: placement.spec_of(tuple(s)), self.logical, is_leaf=is_partition)
+        return jax.tree.map(lambda s: placement.spec_of(tuple(s)), self.logical,
+                            is_leaf=is_partition)
 
 
 @jax.tree_util.register_dataclass
@@ -114,8 +116,8 @@ def _decay_mask(params):
 class StateLayout:
     """Mesh specs and memory kinds of each part of the train state, from the plan's step parts:
     ZeRO's specs per part (`parts.state_specs`), offload's memory kinds of the parts it keeps in
-    host memory (`parts.memory_kinds`), the precision policy's master weights and loss scale, and the stored
-    order of the stacked layers (`parts.layer_order`: the pipeline's)."""
+    host memory (`parts.memory_kinds`), the precision policy's master weights and loss scale, and
+    the stored order of the stacked layers (`parts.layer_order`: the pipeline's)."""
     specs: Any              # zero.StateSpecs: params, model, shards (master/optimizer), grads
     master: bool
     loss_scale: bool

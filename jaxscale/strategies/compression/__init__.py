@@ -40,7 +40,8 @@ def _sizes(spec) -> list[tuple[int, ...]]:
 
 
 def params(spec) -> dict:
-    """The keyword arguments of `jaxscale.strategies.compression.methods.compressed_mean` for this plan."""
+    """The keyword arguments of `jaxscale.strategies.compression.methods.compressed_mean` for this
+    plan."""
     m = spec.compression
     if m in ("fp8", "int8", "sign"):
         return {"block": spec.compression_block}

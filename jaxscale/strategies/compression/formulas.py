@@ -4,7 +4,7 @@ protocol in `__init__.py` reads them while the plan is composed).
 
 `collectives` gives the collectives one compressed mean puts in the compiled program, per device,
 in the census's convention (`bytes`: all-reduce buffer, all-gather output, all-to-all buffer);
-`compiled.census` of a compiled step equals it row by row (PowerSGD's rows are
+`inspect.census` of a compiled step equals it row by row (PowerSGD's rows are
 `powersgd_collectives`). `wire_bytes` is what each device puts on its link per step with ring
 collectives (the "link bytes/device" column of the table in `methods`), `payload_bytes` the
 compressed gradient one device contributes. The bucket is padded to a multiple of N*B

@@ -44,7 +44,7 @@ an all-gather does not shrink with N, so top-k pays (N-1) k (4+v) bytes per devi
 State layout: the functions see one device's state (residuals shaped like its gradient);
 `init_state` builds that, `stack` adds the leading device axis a caller keeps it in, sharded
 over the data axes (`state_specs`). The method names, the checks of the arguments and the
-pure-Python formulas (`wire_bytes` / `collectives` / `payload_bytes`, which `compiled.census` of
+pure-Python formulas (`wire_bytes` / `collectives` / `payload_bytes`, which `inspect.census` of
 a compiled step equals row by row) are `jaxscale.strategies.compression.formulas`.
 """
 from __future__ import annotations
@@ -86,8 +86,8 @@ def ravel(tree) -> tuple[jax.Array, Any]:
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         raise ValueError("nothing to reduce: the gradient pytree has no leaves")
-    shapes = [(l.shape, l.dtype) for l in leaves]
-    flat = jnp.concatenate([jnp.ravel(l).astype(jnp.float32) for l in leaves])
+    shapes = [(leaf.shape, leaf.dtype) for leaf in leaves]
+    flat = jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
 
     def unravel(v):
         out, o = [], 0

@@ -1,4 +1,5 @@
-"""Local SGD over `dp`: replicas that train apart for H steps, then average (`jaxscale.strategies.local_sgd.averaging`).
+"""Local SGD over `dp`: replicas that train apart for H steps, then average
+(`jaxscale.strategies.local_sgd.averaging`).
 
 `plan.local_sgd=local|post_local|slowmo|diloco`, `plan.local_steps` (H), `plan.local_warmup`
 (post_local: synchronous steps first), `plan.outer_lr`, `plan.outer_momentum` (0 and -1: the

@@ -7,21 +7,21 @@ The step: the working parameters come to the device whole for the forward and ba
 all. The update then runs as a loop over the layer-stacked leaves (`streamed_update`): iteration i
 brings layer i of the moments, master weights and parameters to the device, applies the AdamW
 update (clipped by the global gradient norm, computed once before the loop), sends the new values
-back and writes them in place into the state's own (donated) host buffers (`streaming.py`); the next layer is
-fetched as soon as this one is written (under ZeRO with the layers split over dp, one layer of
-each device's own block per iteration). The embedding, head and final norm (not stacked) go one
+back and writes them in place into the state's own (donated) host buffers (`streaming.py`); the next
+layer is fetched as soon as this one is written (under ZeRO with the layers split over dp, one layer
+of each device's own block per iteration). The embedding, head and final norm (not stacked) go one
 leaf at a time, whole, after the loop: at most one layer's state, or one such leaf's, is on the
 device at a time.
 
 Memory: device-resident state falls by exactly the offloaded bytes (Adam moments alone are 8 of
 the 16 bytes/param), and so does the device peak where the backward sets it (it holds none of
 the offloaded state); the update phase holds the gradients plus one piece (a layer's state, its
-update and its gradient slice in fp32, `piece_bytes`) instead of a copy of the whole state. Cost: each step moves every
-offloaded byte to the device and back, 2 x offloaded bytes over PCIe (~25 GB/s per GPU, vs ~4 TB/s
-HBM); the layer loop overlaps one layer's copies with the next layer's compute only partly (a
-layer is fetched after the previous one is written), so the planner's step-time model charges
-the traffic unhidden. Collectives: none added. Activation offload goes through the remat policy
-(`plan.remat=offload`), not here.
+update and its gradient slice in fp32, `piece_bytes`) instead of a copy of the whole state. Cost:
+each step moves every offloaded byte to the device and back, 2 x offloaded bytes over PCIe (~25 GB/s
+per GPU, vs ~4 TB/s HBM); the layer loop overlaps one layer's copies with the next layer's compute
+only partly (a layer is fetched after the previous one is written), so the planner's step-time model
+charges the traffic unhidden. Collectives: none added. Activation offload goes through the remat
+policy (`plan.remat=offload`), not here.
 """
 from __future__ import annotations
 

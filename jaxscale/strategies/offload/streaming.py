@@ -75,9 +75,9 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
         return jax.tree.flatten(tree, is_leaf=lambda x: x is None)
 
     A = [flat(a) for a in args]
-    I = [flat(t)[0] for t in index]
+    idx = [flat(t)[0] for t in index]
     S = [flat(t)[0] if t is not None else [None] for t in arg_sh]
-    O = [flat(t)[0] if t is not None else [None] for t in out_sh]
+    out_shs = [flat(t)[0] if t is not None else [None] for t in out_sh]
     n_args, n_out = len(A), len(out_like)
 
     def unflat(a, leaves):
@@ -90,7 +90,7 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
         """The arguments with `pick(a, p, leaf)` for every parameter-shaped leaf, the shared
         leaves whole, and `None` elsewhere."""
         return [unflat(a, [x if j == -1 else None if j is None else pick(a, p, x)
-                           for p, (x, j) in enumerate(zip(A[a][0], I[a]))])
+                           for p, (x, j) in enumerate(zip(A[a][0], idx[a]))])
                 for a in range(n_args)]
 
     def to_device(v, sh):
@@ -99,21 +99,21 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
     def to_home(v, sh):
         return jax.device_put(v, host) if _on_host(sh) else v
 
-    outs_of = [(k, p) for k in range(n_out) for p, j in enumerate(I[out_like[k]])
+    outs_of = [(k, p) for k in range(n_out) for p, j in enumerate(idx[out_like[k]])
                if j is not None and j >= 0]
-    results = [[None] * len(I[out_like[k]]) for k in range(n_out)]
+    results = [[None] * len(idx[out_like[k]]) for k in range(n_out)]
 
     # ---- the layer loop
-    carried = [(k, p) for k, p in outs_of if in_loop(I[out_like[k]][p])]
+    carried = [(k, p) for k, p in outs_of if in_loop(idx[out_like[k]][p])]
     twin = {(out_like[k], p): c for c, (k, p) in enumerate(carried)}
     prev = (after,)
     if carried:
-        loop = [(a, p) for a in range(n_args) for p, j in enumerate(I[a]) if in_loop(j)]
+        loop = [(a, p) for a in range(n_args) for p, j in enumerate(idx[a]) if in_loop(j)]
         lengths = {A[a][0][p].shape[0] for a, p in loop}
         if len(lengths) != 1:
             raise ValueError(f"layer-stacked leaves of different lengths {sorted(lengths)}")
         steps, width = pieces(lengths.pop(), [S[a][p] for a, p in loop] +
-                              [O[k][p] for k, p in carried])
+                              [out_shs[k][p] for k, p in carried])
         axis = 0 if width == 1 else 1
 
         # [L, ...] -> [width, steps, ...] (a free reshape: device d's own block of layers is
@@ -127,20 +127,21 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
         def fetch(big, i):
             """Layer i of every carried leaf, on the device."""
             return tuple(to_device(lax.dynamic_index_in_dim(b, i, axis, keepdims=False),
-                                   O[k][p]) for b, (k, p) in zip(big, carried))
+                                   out_shs[k][p]) for b, (k, p) in zip(big, carried))
 
         def body(i, carry):
             big, cur = carry
 
             def pick(a, p, x):
-                if not in_loop(I[a][p]):
+                if not in_loop(idx[a][p]):
                     return None
                 if (a, p) in twin:
                     return cur[twin[(a, p)]]
                 v = lax.dynamic_index_in_dim(split(x), i, axis, keepdims=False)
                 return to_device(v, S[a][p])        # a read-only argument (the gradients)
             outs = [flat(o)[0] for o in fn(*piece_args(pick))]
-            big = tuple(lax.dynamic_update_index_in_dim(b, to_home(outs[k][p], O[k][p]), i, axis)
+            big = tuple(lax.dynamic_update_index_in_dim(b, to_home(outs[k][p], out_shs[k][p]), i,
+                                                        axis)
                         for b, (k, p) in zip(big, carried))
             # the next layer, read after this one is written (the last iteration's is unused)
             return big, fetch(big, jnp.minimum(i + 1, steps - 1))
@@ -152,23 +153,23 @@ def streamed_update(fn, args, arg_sh, out_sh, out_like, index, stacked, after=No
         prev = big
 
     # ---- the other leaves, one after another, each whole
-    rest = sorted({I[out_like[k]][p] for k, p in outs_of if not in_loop(I[out_like[k]][p])})
+    rest = sorted({idx[out_like[k]][p] for k, p in outs_of if not in_loop(idx[out_like[k]][p])})
     for j in rest:
-        keys = [(a, p) for a in range(n_args) for p, jj in enumerate(I[a]) if jj == j]
+        keys = [(a, p) for a in range(n_args) for p, jj in enumerate(idx[a]) if jj == j]
         # an optimization barrier orders this leaf's transfers after the previous piece's
         vals, _ = lax.optimization_barrier((tuple(A[a][0][p] for a, p in keys), prev))
         got = {key: to_device(v, S[key[0]][key[1]]) for key, v in zip(keys, vals)}
         outs = [flat(o)[0] for o in fn(*piece_args(lambda a, p, x: got.get((a, p))))]
-        new = {(k, p): outs[k][p] for k, p in outs_of if I[out_like[k]][p] == j}
+        new = {(k, p): outs[k][p] for k, p in outs_of if idx[out_like[k]][p] == j}
         for (k, p), v in new.items():
-            results[k][p] = to_home(v, O[k][p])
+            results[k][p] = to_home(v, out_shs[k][p])
         prev = tuple(new.values())
 
     # ---- the shared leaves (step counters): any piece computes the same
     outs = [flat(o)[0] for o in fn(*piece_args(lambda a, p, x: None))]
     final = []
     for k in range(n_out):
-        leaves = [outs[k][p] if j == -1 else results[k][p] for p, j in enumerate(I[out_like[k]])]
+        leaves = [outs[k][p] if j == -1 else results[k][p] for p, j in enumerate(idx[out_like[k]])]
         final.append(unflat(out_like[k], leaves))
     return tuple(final)
 

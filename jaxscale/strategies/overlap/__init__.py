@@ -2,13 +2,13 @@
 (`plan.tp_overlap`) and XLA scheduler presets (`plan.xla_preset`).
 
 `plan.tp_overlap=collective_matmul` (or `collective_matmul_bidirectional`) runs the
-tensor-parallel matmuls of a block as collective matmuls (`jaxscale.strategies.overlap.collective_matmul`) inside
-`jax.shard_map` over the whole mesh: the column-parallel q, k, v, gate and up projections as
-all-gather-matmuls of the sequence-parallel residual stream, the row-parallel o and down
-projections as matmul-reduce-scatters back to it. It needs Megatron sequence parallelism
-(`plan.sequence_parallel=true`): that is what makes the block's collectives an all-gather
-before and a reduce-scatter after the matmuls, which the ring hops replace. The LM head stays
-GSPMD's (a vocabulary-parallel matmul, not a sequence gather).
+tensor-parallel matmuls of a block as collective matmuls
+(`jaxscale.strategies.overlap.collective_matmul`) inside `jax.shard_map` over the whole mesh: the
+column-parallel q, k, v, gate and up projections as all-gather-matmuls of the sequence-parallel
+residual stream, the row-parallel o and down projections as matmul-reduce-scatters back to it. It
+needs Megatron sequence parallelism (`plan.sequence_parallel=true`): that is what makes the block's
+collectives an all-gather before and a reduce-scatter after the matmuls, which the ring hops
+replace. The LM head stays GSPMD's (a vocabulary-parallel matmul, not a sequence gather).
 
 Collectives, per layer and micro-batch, with bsh the [micro-batch, sequence, dim] activation
 and t = mesh.tp: every ring is t-1 `collective-permute`s of one bsh/t chunk (the bytes a ring

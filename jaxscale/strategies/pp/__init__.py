@@ -1,10 +1,11 @@
 """Pipeline parallelism over the `pp` mesh axis: layers split into stages, micro-batches in flight.
 
 Rules: `layers -> pp`. The batch is split into m micro-batches (`plan.accumulate`), run through
-the stages by a schedule (`plan.schedule`, `jaxscale.strategies.pp.schedules`): naive (one micro-batch
-at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v virtual
-stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
-weight-gradient work, arXiv 2401.10241); the tick table it runs as is `program.py`, the engine that runs it `engine.py`.
+the stages by a schedule (`plan.schedule`, `jaxscale.strategies.pp.schedules`): naive (one
+micro-batch at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v
+virtual stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
+weight-gradient work, arXiv 2401.10241); the tick table it runs as is `program.py`, the engine that
+runs it `engine.py`.
 Saves: weights, gradients and optimizer state split p ways. Costs: the bubble, idle time
 relative to the ideal compute, (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a
 third of 1F1B's for ZB-H1 (T_F = T_B = T_W; in this engine W repeats the in-stage backward

@@ -31,8 +31,8 @@ from jaxscale.strategies.pp.program import FIELDS, _is_layers, program_for
 
 
 def _token_loss(logits_BTV, targets_BT, mask_BT):
-    """`train.grads.token_loss` with the label's logit picked by a masked sum, not a gather: XLA's SPMD
-    partitioner fails on that gather inside a shard_map manual over pp when the batch and the
+    """`train.grads.token_loss` with the label's logit picked by a masked sum, not a gather: XLA's
+    SPMD partitioner fails on that gather inside a shard_map manual over pp when the batch and the
     vocabulary are sharded over two other axes (dp or fsdp, and tp)."""
     logits = logits_BTV.astype(jnp.float32)
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets_BT[..., None]
@@ -42,8 +42,8 @@ def _token_loss(logits_BTV, targets_BT, mask_BT):
 
 
 def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = False):
-    """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens, {}) of `step.
-    make_grads_fn`'s contract, computed by the plan's pipeline schedule; `forward_only`:
+    """(params, batch, scale) -> (token-mean gradients in fp32, loss, tokens, {}) of
+    `grads.make_grads_fn`'s contract, computed by the plan's pipeline schedule; `forward_only`:
     (params, batch) -> (sum of token losses, tokens), for evaluation."""
     spec, mesh = placement.spec, placement.mesh
     prog = program_for(spec, forward_only)

@@ -7,12 +7,14 @@ index (layer, expert) its own matrix. Not pruned: the embedding table (a lookup)
 (vocabulary logits; sparse matmul units would not pay there and it is not a block weight), the
 RMSNorm scales and a MoE router (`tables.params.leaves`: the `dot` leaves under `layers/`).
 
-The step (`shape_step`, its `after_update` part): after the optimizer update, the new weights (the fp32 master
-when there is one, then the 16-bit working copy is cast from the pruned master) are multiplied by
-a mask recomputed from those weights, so that after every step the sparsity holds exactly:
+The step (`shape_step`, its `after_update` part): after the optimizer update, the new weights (the
+fp32 master when there is one, then the 16-bit working copy is cast from the pruned master) are
+multiplied by a mask recomputed from those weights, so that after every step the sparsity holds
+exactly:
 - magnitude: the k = round(s(t) x size) smallest |w| of each matrix are zeroed (ties broken by
-  position, `masks.py`), s(t) the cubic ramp of Zhu & Gupta (`masks.sparsity_ramp`) from 0 at update `prune_start` to s at update `prune_end` (t counts the
-  updates done, the new `state.step`; `prune_end=0`: s from `prune_start` on);
+  position, `masks.py`), s(t) the cubic ramp of Zhu & Gupta (`masks.sparsity_ramp`) from 0 at update
+  `prune_start` to s at update `prune_end` (t counts the updates done, the new `state.step`;
+  `prune_end=0`: s from `prune_start` on);
 - N:M: in every M consecutive weights along the innermost contracted axis (the input features:
   `tables.params.contracted_axes`) the M - N smallest |w| are zeroed (from update `prune_start` on).
 The mask is recomputed every step from the weights themselves and is not stored: a weight zeroed

@@ -1,10 +1,10 @@
 """Quantisation-aware training: the block's weight matmuls run on 8-bit operands.
 
 `plan.qat=none|int8|fp8` (`plan.fp8_amax_history=16`: delayed scaling over that many steps; 0:
-current, just-in-time scaling). The strategy sets the rules' `projection` seam to its implementation, which
-`jaxscale.hooks.projection.project` calls for wq, wk, wv, wo, w_gate, w_up and w_down of every layer;
-the LM head stays in the compute dtype with fp32 logits (as in the published fp8 recipes). The
-numerics are `jaxscale.strategies.qat.numerics`:
+current, just-in-time scaling). The strategy sets the rules' `projection` seam to its
+implementation, which `jaxscale.hooks.projection.project` calls for wq, wk, wv, wo, w_gate, w_up and
+w_down of every layer; the LM head stays in the compute dtype with fp32 logits (as in the published
+fp8 recipes). The numerics are `jaxscale.strategies.qat.numerics`:
 
 - int8: per-channel weights, per-token activations, an s8 x s8 -> s32 dot, rescaled; backward
   straight-through, the unquantised matmul's gradients in the compute dtype. No state.
@@ -52,7 +52,8 @@ AVAILABLE = True
 METHODS = ("int8", "fp8")
 #: the the rules' `projection` seam implementation of each method
 IMPLEMENTATION = {"int8": "qat_int8", "fp8": "qat_fp8"}
-#: slots per layer of the fp8 state (`jaxscale.strategies.qat.numerics.SLOTS`: 4 inputs, 7 weights, 7 gradients)
+#: slots per layer of the fp8 state (`jaxscale.strategies.qat.numerics.SLOTS`: 4 inputs, 7 weights,
+#: 7 gradients)
 N_SLOTS = 18
 QUANTISED_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 

@@ -10,8 +10,8 @@ names the plan's in its rules. The ring's zig-zag layout is applied to the batch
 
 Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
 stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp
-(`jaxscale.strategies.tables.activations.split`), at no extra cost in bytes: each TP all-reduce becomes a
-reduce-scatter plus an all-gather collective of the same total (`tp.py` counts them).
+(`jaxscale.strategies.tables.activations.split`), at no extra cost in bytes: each TP all-reduce
+becomes a reduce-scatter plus an all-gather collective of the same total (`tp.py` counts them).
 
 Context parallelism over `sp` (`plan.context`) saves activations sp-fold: every token-indexed
 activation is split sp ways (the attention scores keep their full key length). Its cost is

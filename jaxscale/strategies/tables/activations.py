@@ -29,8 +29,8 @@ attention (`blockwise`, `pallas`, `cudnn`) keeps none of them, only O(s) statist
 d = H hd, fp32 and K = H/2 this is 4 sbh (4 + 2 + 1 + 6 f/d) + 16 a s^2 b bytes per layer; for
 the `tiny` model (f = 3d) 4 sbh x 25 + 16 a s^2 b. The RMSNorm keeps only its input (in the
 compute dtype) and one fp32 statistic per token (`jaxscale.models.layers.rms_norm`'s backward
-recomputes the rest): no fp32 copy of the residual stream in a 16-bit model. Compare Korthikanti et al. (arXiv
-2205.05198) for a GPT block in 16 bits: sbh (34 + 5 a s / h) (see `gpt.py`).
+recomputes the rest): no fp32 copy of the residual stream in a 16-bit model. Compare Korthikanti et
+al. (arXiv 2205.05198) for a GPT block in 16 bits: sbh (34 + 5 a s / h) (see `gpt.py`).
 
 Splits. "residual stream" tensors are replicated over `tp` unless Megatron sequence parallelism
 splits them over `tp` too; "tp" tensors are split t ways; context parallelism over `sp` splits
@@ -51,7 +51,8 @@ from dataclasses import dataclass
 #: tag -> (elements per token as a function of the model, split region)
 _TAG_SIZES = {
     "attn_norm": (lambda m: m.dim, "res"), "q_proj": (lambda m: m.n_heads * m.hd, "tp"),
-    "k_proj": (lambda m: m.n_kv_heads * m.hd, "tp"), "v_proj": (lambda m: m.n_kv_heads * m.hd, "tp"),
+    "k_proj": (lambda m: m.n_kv_heads * m.hd, "tp"),
+    "v_proj": (lambda m: m.n_kv_heads * m.hd, "tp"),
     "attn_out": (lambda m: m.n_heads * m.hd, "tp"), "o_proj": (lambda m: m.dim, "res"),
     "mlp_norm": (lambda m: m.dim, "res"), "mlp_gate": (lambda m: m.ffn_dim, "tp"),
     "mlp_up": (lambda m: m.ffn_dim, "tp"), "mlp_hidden": (lambda m: m.ffn_dim, "tp"),
@@ -100,7 +101,8 @@ def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "
     `experts`, averaged over the dense and MoE layers (`moe_tensors`)."""
     m, b = model, compute_itemsize
     ffn = m.ffn_dim * mlp_rows(experts)
-    out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm", m.dim, b, "res"), Tensor("q", m.n_heads * m.hd, b, "tp"),
+    out = [Tensor("x", m.dim, b, "res"), Tensor("attn_norm", m.dim, b, "res"),
+           Tensor("q", m.n_heads * m.hd, b, "tp"),
            Tensor("k", m.n_kv_heads * m.hd, b, "tp"), Tensor("v", m.n_kv_heads * m.hd, b, "tp")]
     if attention == "xla":
         out.append(Tensor("scores x4", 4 * m.n_heads * seq_len, 4, "scores"))

@@ -4,8 +4,8 @@
 logical axes (the names the model annotates it with) and its *use*: `dot` for a weight contracted
 in a matmul, `norm` for an RMSNorm scale (its gradient is a `reduce_sum`), `embedding` for the
 token table (its gradient is a scatter-add). The use decides how XLA reduces its gradient (see
-`jaxscale.strategies.dp`). `tests/test_planner.py` checks the table against the real model's abstract
-parameters and logical specs, so the two cannot drift apart.
+`jaxscale.strategies.dp`). `tests/test_planner.py` checks the table against the real model's
+abstract parameters and logical specs, so the two cannot drift apart.
 
 `Leaf.local_size` is a leaf's elements per device under a plan's logical->mesh rules
 (`jaxscale.plan.rules`); ZeRO's split of each state part over `dp` on top of that is
@@ -53,7 +53,8 @@ class Leaf:
 
 
 def leaves(model) -> list[Leaf]:
-    """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when scanned)."""
+    """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when
+    scanned)."""
     d, f, hd, H, K, V = (model.dim, model.ffn_dim, model.hd, model.n_heads, model.n_kv_heads,
                          model.vocab_size)
     attn = [
