@@ -52,6 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxscale.hooks.attention import attention  # noqa: E402
 from jaxscale.kernels import flash_attention as fa  # noqa: E402
+from jaxscale.kernels import flash_tuning as ft  # noqa: E402
 
 IMPLS = ("pallas", "cudnn", "xla")
 
@@ -85,7 +86,7 @@ def bench_one(impl, batch, seq, heads, head_dim, causal, dtype, reps, check: boo
     row = {"impl": impl, "batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim,
            "causal": causal, "dtype": jnp.dtype(dtype).name}
     if impl == "pallas":  # which tuning-table entry the kernels ran with
-        row["tuning"] = fa.resolve_tuning(head_dim, causal, dtype).source
+        row["tuning"] = ft.resolve_tuning(head_dim, causal, dtype).source
     try:
         t = time_fn(fwd, q, k, v, reps=reps)
         row.update(fwd_ms=t * 1e3, fwd_tflops=attention_flops(
@@ -157,7 +158,7 @@ TINY_CANDIDATES = {"fwd": [(16, 16, 4, 2), (32, 16, 4, 2)], "dkdv": [(16, 32, 4,
 SMEM_BYTES = 227 * 1024      # Hopper's shared memory per block
 
 
-def smem_estimate(kernel: str, c: fa.KernelConfig, head_dim: int, itemsize: int) -> int:
+def smem_estimate(kernel: str, c: ft.KernelConfig, head_dim: int, itemsize: int) -> int:
     """Shared memory bytes: the resident tiles plus `num_stages` buffers of the streamed ones."""
     row = head_dim * itemsize
     if kernel == "fwd":      # q resident; k, v streamed
@@ -167,8 +168,8 @@ def smem_estimate(kernel: str, c: fa.KernelConfig, head_dim: int, itemsize: int)
     return 2 * c.block_k * row + c.num_stages * 2 * c.block_q * row   # dkdv: k, v resident
 
 
-def candidates(kernel, current: fa.KernelConfig, head_dim, itemsize, tiny) -> list:
-    listed = [fa.KernelConfig(*c) for c in (TINY_CANDIDATES if tiny else CANDIDATES)[kernel]]
+def candidates(kernel, current: ft.KernelConfig, head_dim, itemsize, tiny) -> list:
+    listed = [ft.KernelConfig(*c) for c in (TINY_CANDIDATES if tiny else CANDIDATES)[kernel]]
     out = [current] + [c for c in listed if c != current]
     return [c for c in out if tiny or smem_estimate(kernel, c, head_dim, itemsize) <= SMEM_BYTES]
 
@@ -180,7 +181,7 @@ def _time_ms(f, args, reps) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def _cfg_text(c: fa.KernelConfig) -> str:
+def _cfg_text(c: ft.KernelConfig) -> str:
     return f"{c.block_q}x{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
@@ -192,7 +193,7 @@ def tune_one(head_dim, causal, *, seq, batch, heads, reps, tiny, atomic_dq, dead
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, do = (jax.random.normal(kk, (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
                    for kk in ks)
-    current = fa.lookup_tuning(head_dim, causal, dtype, table=table)
+    current = ft.lookup_tuning(head_dim, causal, dtype, table=table)
     ref_impl = "xla" if tiny else "cudnn"
 
     def attn(t):
@@ -265,7 +266,7 @@ def tune(args, on_gpu: bool) -> None:
                  f"not an NVIDIA GPU; the sweep times Triton kernels and only means something "
                  f"there. For a smoke test of the code path (interpret mode, tiny shapes, table "
                  f"written to a temporary path) pass --allow-cpu --tiny.")
-    packaged = Path(fa.TUNING_TABLE).resolve()
+    packaged = Path(ft.TUNING_TABLE).resolve()
     if args.table:
         path = Path(args.table)
     elif on_gpu and not args.tiny:
@@ -303,7 +304,7 @@ def tune(args, on_gpu: bool) -> None:
             t, tm = r["tuning"], r["timings"]
             ok = tm["rel_err"] < 3e-2
             if ok:
-                key = (fa.head_dim_bucket(head_dim), causal, "bfloat16")
+                key = (ft.head_dim_bucket(head_dim), causal, "bfloat16")
                 base["entries"] = [e for e in base["entries"] if
                                    (e["head_dim"], e["causal"], e["dtype"]) != key]
                 base["entries"].append({"head_dim": key[0], "causal": causal, "dtype": key[2],
@@ -370,8 +371,8 @@ def compile_report(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         for head_dim in (int(h) for h in args.head_dims.split(",")):
-            current = fa.lookup_tuning(head_dim, True, jnp.bfloat16)
-            for kernel in fa.KERNELS:
+            current = ft.lookup_tuning(head_dim, True, jnp.bfloat16)
+            for kernel in ft.KERNELS:
                 for c in candidates(kernel, getattr(current, kernel), head_dim, 2, tiny=False):
                     t = replace(current, **{kernel: c})
                     captured.clear()
@@ -381,7 +382,7 @@ def compile_report(args) -> None:
                     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
                         lowering_platforms=("cuda",))
                     ttir = out / f"d{head_dim}_{kernel}.ttir"
-                    ttir.write_text(captured[fa.KERNELS.index(kernel)])
+                    ttir.write_text(captured[ft.KERNELS.index(kernel)])
                     compiled = triton.compile(str(ttir), target=GPUTarget("cuda", 90, 32), options={
                         "num_warps": c.num_warps, "num_stages": c.num_stages})
                     ptx = out / f"d{head_dim}_{kernel}.ptx"
@@ -471,8 +472,8 @@ def main(argv=None):
             "device_kind": jax.devices()[0].device_kind, "backend": backend,
             "jax": jax.__version__, "dtype": "bfloat16", "tokens_per_batch": tokens,
             "hidden": hidden, "wall_s": round(time.time() - t_start, 1),
-            "tuning_table": {"path": str(os.environ.get(fa.TUNING_ENV) or fa.TUNING_TABLE),
-                             "last_sweep": (fa.load_tuning_table().get("sweeps") or [None])[-1]}}
+            "tuning_table": {"path": str(os.environ.get(ft.TUNING_ENV) or ft.TUNING_TABLE),
+                             "last_sweep": (ft.load_tuning_table().get("sweeps") or [None])[-1]}}
     result = {"meta": meta, "goal_hd128_s8k": goal(rows), "rows": rows}
     md = [f"# Attention TFLOP/s on {meta['device_kind']} ({meta['date']}, jax {meta['jax']})", "",
           "FLOPs: forward 4·s²·d·heads·batch (half causal), forward+backward 3.5x forward; bf16, "

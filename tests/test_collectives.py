@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale import cost as cost_lib
 from jaxscale.comm import algorithm_cost as CM
 from jaxscale.comm import algorithms as C
-from jaxscale.comm import bench, bench_sweep
+from jaxscale.comm import bench, bench_sweep, torch_bench
 from jaxscale.mesh import MeshConfig, make_mesh
 
 
@@ -225,7 +225,7 @@ def test_tiny_sweep_accounting(tmp_path):
     rows = res["rows"]
     for fw in ("jax", "torch"):
         got = {(r["kind"], r["nbytes"]) for r in rows if r["framework"] == fw}
-        assert got == {(k, s) for k in bench_sweep.KINDS for s in (1024, 2048, 4096)}
+        assert got == {(k, s) for k in torch_bench.KINDS for s in (1024, 2048, 4096)}
     for r in rows:
         assert r["n"] == 2 and len(r["times"]) == 2
         assert r["time_s"] == pytest.approx(float(np.median(r["times"])))
@@ -233,7 +233,7 @@ def test_tiny_sweep_accounting(tmp_path):
         assert r["factor"] == FACTORS_2[r["kind"]]
         assert r["busbw"] == pytest.approx(r["algbw"] * FACTORS_2[r["kind"]])
     ratios = bench.ratios(res)
-    assert len(ratios) == len(bench_sweep.KINDS) * 3
+    assert len(ratios) == len(torch_bench.KINDS) * 3
     by = {(r["framework"], r["kind"], r["nbytes"]): r for r in rows}
     for q in ratios:
         j, t = by["jax", q["kind"], q["nbytes"]], by["torch", q["kind"], q["nbytes"]]
@@ -272,4 +272,4 @@ def test_bench_rejects_bad_arguments(capsys):
     assert bench_sweep.sizes(1024, 16384, 4) == [1024, 4096, 16384]
     from jaxscale.hardware import simulate_cpu_devices
     assert simulate_cpu_devices(8) is False  # jax is imported already: leave flags alone
-    assert math.isclose(bench.busbw_factor("all_gather", 4), 0.75)
+    assert math.isclose(cost_lib.busbw_factor("all_gather", 4), 0.75)

@@ -31,6 +31,7 @@ from jaxscale.kernels import blockwise as bw
 from jaxscale.kernels import flash_attention as fa
 from jaxscale.kernels import flash_backward as fb
 from jaxscale.kernels import flash_forward as ff
+from jaxscale.kernels import flash_tuning as ft
 from jaxscale.kernels.blockwise import (
     MASK_VALUE,
     block_grads,
@@ -78,11 +79,11 @@ def _flash_cfg(cfg: _Cfg, causal, T, S, D, dtype, has_seg):
     its tuning table where it has one), and the padded lengths (Tp, Sp, Dp)."""
     fields = {f.name for f in dataclasses.fields(ff._Cfg)}
     if "tuning" in fields:
-        tuning = fa.resolve_tuning(D, causal, dtype)
+        tuning = ft.resolve_tuning(D, causal, dtype)
         blocks = tuning.block_sizes().fit(T, S, None)
         extra = {"tuning": tuning.with_blocks(blocks)}
     else:
-        blocks = fa.BlockSizes().fit(T, S, None)
+        blocks = ft.BlockSizes().fit(T, S, None)
         extra = {"blocks": blocks, "num_warps": None, "num_stages": None}
     c = ff._Cfg(T=T, S=S, causal=causal, window=None, q_offset=0, scale=cfg.scale,
                 block_mask=None, has_seg=has_seg, interpret=fa.default_interpret(),
