@@ -202,7 +202,7 @@ def test_every_field_declares_its_range(cls):
             assert fields._KEY in f.metadata, f"{cls.__name__}.{f.name} declares no range"
 
 
-def test_fields_api(tmp_path):
+def test_fields_api(tmp_path, monkeypatch):
     @dataclasses.dataclass(frozen=True)
     class Inner:
         k: int = fields.ranged(2, lo=1, hi=4)
@@ -242,15 +242,27 @@ def test_fields_api(tmp_path):
     (tmp_path / "f").write_text("")
     assert "exists and is not a directory" in fields.dir_problem(tmp_path / "f", "d")
     assert "is a file" in fields.dir_problem(tmp_path / "f" / "sub", "d")
-    if os.geteuid() != 0:            # root may write anywhere
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        ro.chmod(0o500)
-        try:
-            assert "not writable" in fields.dir_problem(ro, "d")
-            assert "not writable" in fields.dir_problem(ro / "run", "d")
-        finally:
-            ro.chmod(0o700)
+    # a path that cannot be created even by root: below a regular file of the system
+    assert fields.dir_problem("/proc/version/run", "d") == \
+        "d='/proc/version/run': cannot be created, '/proc/version' is a file"
+    # a directory without write permission. Root may write anywhere (CI runs as root), so the
+    # permission check an ordinary user gets, from the mode bits, stands in for os.access there
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    real_access = os.access
+
+    def user_access(path, mode):
+        denied = mode & os.W_OK and not os.stat(path).st_mode & 0o200
+        return real_access(path, mode) and not denied
+    monkeypatch.setattr(fields.os, "access", user_access)
+    try:
+        assert fields.dir_problem(ro, "d") == f"d={str(ro)!r}: the directory is not writable"
+        assert fields.dir_problem(ro / "run", "d") == \
+            f"d={str(ro / 'run')!r}: cannot be created, {str(ro)!r} is not writable"
+        assert fields.dir_problem(tmp_path / "new", "d") is None      # writable: no problem
+    finally:
+        ro.chmod(0o700)
     assert not (tmp_path / "new").exists()
 
 

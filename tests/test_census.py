@@ -118,13 +118,28 @@ def test_report_schema():
     for c in rep["collectives"]:
         assert set(c) >= {"kind", "count", "bytes", "axes"}
         assert c["kind"] in hlo.COLLECTIVES and set(c["axes"]) <= {"dp", "fsdp", "tp"}
+    # memory_analysis() against the state's size by hand: the weights (2 V D embedding and head,
+    # per layer 4 D H hd attention and 3 D F MLP) split over fsdp x tp = 4, the norm scales (2 D
+    # per layer + D) over fsdp = 2; fp32 parameters, Adam's two moments, three int32 counters
+    # (step, two optimizer counts); the batch (inputs, targets, mask: 4 bytes a token) over
+    # dp x fsdp = 4. The state is donated: its buffers are the outputs' (alias), and the rest of
+    # the output is the scalar metrics.
+    cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"], "model.n_kv_heads=8")
+    mc, B, T = cfg.model, cfg.data.batch_size, cfg.data.seq_len
+    D, V, L, F, H = mc.dim, mc.vocab_size, mc.n_layers, mc.ffn_dim, mc.n_heads
+    assert (D, V, L, F, H, mc.n_kv_heads, mc.hd) == (128, 320, 2, 384, 8, 8, 16)
+    matrices = 2 * V * D + L * (4 * D * H * 16 + 3 * D * F)
+    norms = 2 * L * D + D
+    state = 3 * 4 * (matrices // 4 + norms // 2) + 3 * 4
+    assert state == 1_527_564
     m = rep["memory"]
-    assert m["total"] == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0
+    assert m["argument"] == state + 3 * 4 * B * T // 4
+    assert m["alias"] == state
+    assert 0 < m["output"] - m["alias"] < 1024 and m["temp"] > 0
     # FLOPs: the HLO's matmul FLOPs equal the non-causal model formula (xla attention
     # computes the masked half too) plus the embedding gradient's one-hot matmul (2 V/tp D per
     # local token: tp=2 splits the vocabulary)
-    cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"], "model.n_kv_heads=8")
-    tokens = cfg.data.batch_size * cfg.data.seq_len
+    tokens = B * T
     dense = cfg.model.flops_per_token(cfg.data.seq_len, causal=False) * tokens / 8
     one_hot = 2 * cfg.model.vocab_size / 2 * cfg.model.dim * tokens / 4
     assert abs(rep["flops"]["dot_flops"] / (dense + one_hot) - 1) < 0.02

@@ -216,7 +216,6 @@ FACTORS_2 = dict(all_reduce=1.0, all_gather=0.5, reduce_scatter=0.5, all_to_all=
 
 
 def test_tiny_sweep_accounting(tmp_path):
-    pytest.importorskip("torch")
     cfg = bench_sweep.SweepConfig(min_bytes=1024, max_bytes=4096, factor=2, iters=2, warmup=1,
                                   world=2, timeout=120)
     res = bench_sweep.run_sweep(cfg, log=lambda s: None)
@@ -251,9 +250,9 @@ def test_tiny_sweep_accounting(tmp_path):
 
 
 def test_torch_failure_is_reported_and_jax_still_runs(capsys, tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("needs a machine where the NCCL backend cannot start")
+    import torch
+    # the failure is NCCL's without a GPU: CI and the test suite run on CPUs only
+    assert not torch.cuda.is_available(), "this test needs a machine without CUDA GPUs"
     code = bench.main(["--min-bytes", "1K", "--max-bytes", "1K", "--iters", "1", "--warmup", "0",
                        "--kinds", "all_reduce", "--world", "2", "--torch-backend", "nccl",
                        "--no-handwritten", "--timeout", "60", "--out", str(tmp_path)])

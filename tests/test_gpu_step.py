@@ -3,8 +3,11 @@ process), and the XLA GPU flag preset accepted by this jaxlib's flag parser. The
 themselves need a GPU; torch.compile is not requested here (minutes on a CPU)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 from jaxscale.benchmarks import gpu_step
 
@@ -18,17 +21,30 @@ def test_tiny_cpu_run_writes_table_json_and_png(tmp_path, capsys):
     doc = json.loads((tmp_path / "results.json").read_text())
     res = {r["side"]: r for r in doc["results"]}
     assert set(res) == {"jax", "jax-xla-flags", "jax-unrolled", "torch-eager"}
+    # the tiny preset by hand: D 128, 2 layers, 4 heads of 32, 2 kv heads, ffn 384, vocab 320,
+    # batch 4 x seq 64. Model FLOPs per token: 6 x the matmul parameters (q, k, v, o, SwiGLU,
+    # head) + causal attention 6 L H hd s; MFU over the CPU profile's peak (2.5 GHz x 32 FLOP
+    # per cycle and core, one simulated device: the whole host).
+    D, L, H, K, hd, F, V, s, tokens = 128, 2, 4, 2, 32, 384, 320, 64, 4 * 64
+    flops = tokens * (6 * (L * (D * (H + 2 * K) * hd + H * hd * D + 3 * D * F) + D * V)
+                      + 6 * L * H * hd * s)
+    assert flops == tokens * 2_703_360
+    peak = (os.cpu_count() or 1) * 2.5e9 * 32
+    median = {side: statistics.median(res[side]["timed_times_s"])
+              for side in ("jax", "jax-unrolled", "torch-eager")}
     for side in ("jax", "jax-unrolled", "torch-eager"):
         r = res[side]
         assert r["status"] == "ok", r
-        assert r["tokens_per_s"] > 0 and r["median_step_s"] > 0
-        assert r["mfu"] > 0
-        assert len(r["step_times_s"]) == 3 and len(r["timed_times_s"]) == 2
-        assert r["tokens_per_step"] == 4 * 64
+        assert len(r["step_times_s"]) == 3 and r["timed_times_s"] == r["step_times_s"][1:]
+        assert r["median_step_s"] == median[side] > 0
+        assert r["tokens_per_step"] == tokens
+        assert r["tokens_per_s"] == pytest.approx(tokens / median[side], rel=1e-12)
+        assert r["mfu"] == pytest.approx(flops / (median[side] * peak), rel=1e-12)
         assert all(loss == loss and loss < 20 for loss in r["losses"])          # finite losses
         assert r["ratio_to"] == "torch-eager"
+        # tokens/s over torch eager's: the inverse ratio of the median step times
+        assert r["ratio"] == pytest.approx(median["torch-eager"] / median[side], rel=1e-12)
         assert side in out
-    assert res["torch-eager"]["ratio"] == 1.0
     assert res["jax"]["scan_layers"] and not res["jax-unrolled"]["scan_layers"]
     assert res["jax"]["attention"] == "auto" and res["torch-eager"]["attention"] == "sdpa:default"
     # the XLA GPU flag side is not run on a CPU, and says so

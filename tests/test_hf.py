@@ -8,14 +8,13 @@ import json
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from jaxscale.axes import use_rules  # noqa: E402
-from jaxscale.interop import hf, hf_config  # noqa: E402
-from jaxscale.train.state import FunctionalModel  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from jaxscale.axes import use_rules
+from jaxscale.interop import hf, hf_config
+from jaxscale.train.state import FunctionalModel
+from tests.helpers import tiny_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

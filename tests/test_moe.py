@@ -208,13 +208,62 @@ def test_all_to_all_census_matches_the_formula(ep):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def test_train_step_metrics_and_checkpoint_across_ep_degrees(tmp_path):
-    """A train step at ep = 4 (dp2) reports the router losses and the dropped fraction; its state
-    saved there restores at ep = 2 (fsdp2 x tp2): the same arrays and the same next loss."""
+def router_logits(setup, params, monkeypatch) -> list[np.ndarray]:
+    """Each MoE layer's router logits [B, T, E] on the first batch, read out of the plan's
+    forward pass (a host callback on what `moe.route` returns)."""
+    seen, route = [], moe.route
+
+    def recording_route(x, router, k):
+        out = route(x, router, k)
+        jax.debug.callback(lambda logits: seen.append(np.asarray(logits)), out[0])
+        return out
+    monkeypatch.setattr(moe, "route", recording_route)
+    forward_stats(setup, params)
+    monkeypatch.undo()
+    return seen
+
+
+def reference_router_metrics(logits_per_layer, k: int, capacity: int) -> dict:
+    """The router losses and the dropped fraction by hand (numpy, float64) from the logits:
+    softmax; top-k by probability, ties to the lower index; Switch balance E sum_e f_e P_e (f_e
+    the share of the k N assignments, P_e the mean probability); z = mean logsumexp^2; each
+    expert's `capacity` slots per sequence claimed in token order, a token's choices in rank
+    order, the rest dropped. The losses averaged over layers, the drops over all assignments."""
+    aux, z, dropped, routed = [], [], 0, 0
+    for logits in logits_per_layer:
+        x = logits.astype(np.float64)
+        B, T, E = x.shape
+        top = x.max(-1, keepdims=True)
+        lse = top[..., 0] + np.log(np.exp(x - top).sum(-1))
+        p = np.exp(x - lse[..., None])
+        idx = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+        share = np.bincount(idx.ravel(), minlength=E) / idx.size
+        aux.append(E * np.sum(share * p.mean(axis=(0, 1))))
+        z.append(np.mean(lse ** 2))
+        for row in idx:                                   # one sequence
+            claims = np.zeros(E, int)
+            for e in row.ravel():                         # token order, then rank order
+                dropped += claims[e] >= capacity
+                claims[e] += 1
+        routed += idx.size
+    return {"moe_aux_loss": np.mean(aux), "moe_z_loss": np.mean(z),
+            "moe_dropped": dropped / routed}
+
+
+def test_train_step_metrics_and_checkpoint_across_ep_degrees(tmp_path, monkeypatch):
+    """A train step at ep = 4 (dp2) reports the router losses and the dropped fraction, equal to
+    a numpy computation from the router logits of the same batch; its state saved there restores
+    at ep = 2 (fsdp2 x tp2): the same arrays and the same next loss."""
     src, dst = setup_of(*MESHES[4], *CAPACITY), setup_of(*MESHES[2], *CAPACITY)
+    assert src.placement.spec.accumulate <= 1                 # one forward over the whole batch
+    logits = router_logits(src, src.init_state().params, monkeypatch)
+    cfg = src.cfg.model
+    assert len(logits) == cfg.n_layers and logits[0].shape == (8, 16, 8)
+    want = reference_router_metrics(logits, cfg.moe_top_k, cfg.moe_capacity(16))
     state, m = src.train_step(src.init_state(), batch_for(src))
-    assert 1.0 <= float(m["moe_aux_loss"]) < 8.0 and float(m["moe_z_loss"]) > 0
-    assert 0.0 < float(m["moe_dropped"]) < 1.0
+    assert 0.0 < want["moe_dropped"] < 1.0                   # capacity 4 of 16 tokens: drops
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped"):
+        np.testing.assert_allclose(float(m[key]), want[key], rtol=1e-5, err_msg=key)
     ck = ckpt_lib.Checkpointer(tmp_path / "ck", src.cfg.ckpt)
     ck.save(1, state, ckpt_meta.make_meta(src.cfg, state, 1))
     ck.wait()

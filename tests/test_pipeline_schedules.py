@@ -34,7 +34,12 @@ def test_simulated_bubble_equals_formula(name, p, m, v):
     assert r.bubble == pytest.approx(ps.formula_bubble(name, p, m, v), abs=1e-12)
     # every device does all its work: m (t_f + t_b), whatever the schedule
     assert r.busy == pytest.approx([m * 3.0] * p)
-    assert r.makespan * p * (1 - r.bubble) == pytest.approx(sum(r.busy))
+    # and the last op ends after that work plus the idle time the schedule cannot avoid: the
+    # warm-up and cool-down, (p - 1) (t_f + t_b) (naive: every other device's whole work), over v
+    # for interleaved chunks, (p - 1) (T_F + T_B - T_W) = (p - 1) for ZB-H1 (B = W = 1)
+    idle = {"naive": (p - 1) * 3.0, "gpipe": (p - 1) * 3.0, "1f1b": (p - 1) * 3.0,
+            "interleaved": (p - 1) * 3.0 / v, "zb-h1": (p - 1) * 1.0}[name]
+    assert r.makespan == pytest.approx(m * 3.0 + idle, abs=1e-12)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])

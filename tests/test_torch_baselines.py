@@ -14,14 +14,13 @@ import math
 import jax
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from benchmarks import torch_llama as tl  # noqa: E402
-from jaxscale.benchmarks.matched_training import run_pairs  # noqa: E402
-from jaxscale.models.llama import RopeScaling  # noqa: E402
-from jaxscale.train.state import FunctionalModel, make_optimizer  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from benchmarks import torch_llama as tl
+from jaxscale.benchmarks.matched_training import run_pairs
+from jaxscale.models.llama import RopeScaling
+from jaxscale.train.state import FunctionalModel, make_optimizer
+from tests.helpers import tiny_config
 
 LOSS_ATOL = 2e-5
 

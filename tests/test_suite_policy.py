@@ -1,0 +1,60 @@
+"""The suite's own rules: a skipped test fails the session (`tests/conftest.py`, `ZeroSkips`),
+with the suite's pytest-xdist setup and in one process, and the message names the test."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+BODY = """
+import pytest
+{module}
+
+def test_runs():
+    assert 1 + 1 == 2
+
+
+def test_left_out():
+    {test}
+"""
+XDIST = ("-n", "2", "--dist", "loadfile")          # the suite's distribution (pyproject.toml)
+
+
+def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass"):
+    """pytest run in a subprocess on a directory holding the zero-skip part of tests/conftest.py
+    (without the JAX setup above it, which each xdist worker would import) and one test file:
+    `module` at its top, `test` the body of its second test."""
+    source = CONFTEST.read_text()
+    (tmp_path / "conftest.py").write_text("import pytest\n\n\n" +
+                                          source[source.index("class ZeroSkips"):])
+    (tmp_path / "test_policy_case.py").write_text(BODY.format(module=module, test=test))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "XDIST_"))}   # not this session's worker settings
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"          # seconds each: only xdist is needed
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p",
+                        "no:cacheprovider", "--rootdir", str(tmp_path), *args, str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args", [XDIST, ("-n", "0")], ids=["xdist", "one-process"])
+def test_a_skipped_test_fails_the_session_and_is_named(tmp_path, args):
+    rc, out = _pytest(tmp_path, *args, test='pytest.skip("no reason to run")')
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 passed, 1 skipped" in out, out                     # nothing failed by itself
+    assert "1 skipped, and every test must run" in out, out
+    assert "SKIPPED test_policy_case.py::test_left_out: no reason to run" in out, out
+
+
+def test_a_module_skipped_at_collection_fails_the_session(tmp_path):
+    rc, out = _pytest(tmp_path, *XDIST, module='pytest.importorskip("no_such_module_here")')
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "SKIPPED test_policy_case.py: could not import 'no_such_module_here'" in out, out
+
+
+def test_the_same_file_without_the_skip_passes(tmp_path):
+    rc, out = _pytest(tmp_path, *XDIST)
+    assert rc == pytest.ExitCode.OK, out
+    assert "2 passed" in out and "skipped" not in out, out
