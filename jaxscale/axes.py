@@ -30,7 +30,9 @@ LOGICAL_AXES = ("batch", "seq", "norm_seq", "embed", "heads", "kv_heads", "head_
 
 #: the model's seams (`jaxscale.hooks`), and what a strategy replaces through each
 SEAMS = {"context": "attention over a sequence split across devices",
-         "projection": "weight matmuls", "experts": "mixture-of-experts dispatch"}
+         "projection": "weight matmuls",
+         "columns": "weight matmuls that read one input (q, k, v; gate, up)",
+         "experts": "mixture-of-experts dispatch"}
 
 
 @dataclass
@@ -86,9 +88,17 @@ class Rules:
     def as_dict(self) -> dict[str, list[str]]:
         return {k: list(v) for k, v in self.table.items()}
 
+    def without(self, mesh_axes: Iterable[str]) -> "Rules":
+        """These rules with `mesh_axes` taken out of every entry (the seams kept): what the
+        arrays of a `shard_map` manual over those axes are laid out by on the other axes."""
+        gone = set(mesh_axes)
+        return Rules({k: tuple(a for a in v if a not in gone) for k, v in self.table.items()},
+                     dict(self.owner), dict(self.seams))
+
 
 _ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "jaxscale_rules", default=None)
+_MANUAL: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_manual", default=())
 
 
 @contextlib.contextmanager
@@ -112,8 +122,58 @@ def suspended():
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def manual(mesh_axes: Sequence[str]):
+    """While tracing the body of a `shard_map` manual over `mesh_axes` (the others left to
+    GSPMD): `constrain`, and the model's seams, lay arrays out on the body's mesh (whose
+    `mesh_axes` are manual) by the active rules less those axes. A no-op outside `use_rules`."""
+    ctx = _ACTIVE.get()
+    outer = _MANUAL.get()
+    held = _MANUAL.set(outer + tuple(a for a in mesh_axes if a not in outer))
+    if ctx is None:
+        try:
+            yield
+        finally:
+            _MANUAL.reset(held)
+        return
+    import jax
+    token = _ACTIVE.set((jax.sharding.get_abstract_mesh(), ctx[1].without(mesh_axes)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        _MANUAL.reset(held)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes the code being traced runs manual over (`manual` regions, nested), e.g. to
+    take a statistic over the whole array where each device holds a piece: a per-tensor amax is
+    a max over these axes too."""
+    return _MANUAL.get()
+
+
 def active():
     return _ACTIVE.get()
+
+
+def on_shards(fn, x, spec):
+    """`fn(x)` on each device's own shard of `x`, where `x` is laid out by `spec` (a
+    PartitionSpec over the mesh axes GSPMD still handles here) inside a `shard_map` manual over
+    some others: XLA's partitioner replicates an array over its GSPMD axes before a manual
+    all-gather or psum_scatter, so such a collective runs in a `shard_map` over the remaining
+    axes (where `spec` splits nothing, `fn` runs as it is)."""
+    if not any(spec):
+        return fn(x)
+    import jax
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec,
+                         out_specs=spec, check_vma=False)(x)
+
+
+def current(mesh, rules: Rules):
+    """(mesh, rules) to lay arrays out by while tracing here: the active ones (inside a manual
+    region, its mesh and the rules less its axes), else the plan's own."""
+    ctx = _ACTIVE.get()
+    return (mesh, rules) if ctx is None else ctx
 
 
 def constrain(x, *names: str | None):

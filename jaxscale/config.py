@@ -20,6 +20,7 @@ from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
 from jaxscale.strategies.compression import METHODS as COMPRESSIONS
+from jaxscale.strategies.dp import SYNC_MODES
 from jaxscale.strategies.local_sgd import METHODS as LOCAL_SGD
 from jaxscale.strategies.overlap import MODES as TP_OVERLAPS
 from jaxscale.strategies.overlap import XLA_PRESETS
@@ -82,6 +83,9 @@ class PlanConfig:
     precision: str = one_of("fp32", *PRECISIONS)  # fp32 master weights for 16-bit
     loss_scale: str = "auto"          # auto (dynamic for fp16) | dynamic | none | initial scale
     accumulate: int = positive(1)     # micro-batches per optimizer step
+    grad_sync: str = one_of("auto", *SYNC_MODES)  # when gradients are reduced over the data
+                                      # axes: auto (replicated axes once per step, split axes
+                                      # per micro-batch) | step | microbatch (strategies/dp)
     remat: str = "none"               # none | full | save_dots | save_attention_out | offload |
                                       # custom mapping "name:save|remat|offload,..."
     offload: str = "none"             # none | optimizer | master | params, "+"-joined

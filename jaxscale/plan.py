@@ -59,7 +59,8 @@ from jaxscale.strategies.common import StepParts
 STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
               compression, sparse_embedding, prune, local_sgd, qat)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
-OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "donate", "context",
+OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "grad_sync",
+           "donate", "context",
            "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
            "compression", "compression_block", "compression_density", "compression_threshold",
            "compression_rank", "prune",
@@ -88,6 +89,7 @@ class Spec:
     remat: str = "none"
     offload: str = "none"
     accumulate: int = 1                 # micro-batches per step (pipeline: m)
+    grad_sync: str = "auto"             # when data-axis gradients are reduced (strategies/dp)
     donate: bool = True
     context: str = "ring"               # context parallelism over `sp`: ring | ulysses | allgather
     sequence_parallel: bool = False     # Megatron SP: the residual stream split over tp too
@@ -122,7 +124,11 @@ class Spec:
                 raise ValueError("the mesh has a -1 (fill) degree: give the device count "
                                  "(jaxscale plan --devices N)")
             mesh = mesh.resolve(n_devices)          # raises the mesh's own message
-        return cls(model=cfg.model, degrees={a: getattr(mesh, a) for a in MESH_AXES},
+        # tensor parallelism splits the vocabulary: pad it to a multiple of tp (as Megatron's
+        # make-vocab-size-divisible-by), whatever the vocabulary
+        model = replace(cfg.model, vocab_multiple=math.lcm(cfg.model.vocab_multiple,
+                                                           max(1, mesh.tp)))
+        return cls(model=model, degrees={a: getattr(mesh, a) for a in MESH_AXES},
                    dcn={a: getattr(mesh, f"dcn_{a}", 1) for a in MESH_AXES},
                    device_kind=mesh.device_kind, batch=cfg.data.batch_size,
                    seq=cfg.data.seq_len, moments=moments(cfg.optim),

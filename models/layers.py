@@ -1,5 +1,6 @@
 """The LLaMA block's building pieces: parameters with logical axes, RMSNorm, the embedding lookup,
-RoPE. Each with its own backward where the default one would keep or move more than it needs."""
+RoPE, and the token loss. Each with its own backward where the default one would keep or move more
+than it needs."""
 from __future__ import annotations
 
 import functools
@@ -113,3 +114,17 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
     cos, sin = jnp.cos(ang_BTF)[:, :, None, :], jnp.sin(ang_BTF)[:, :, None, :]
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHD.dtype)
+
+
+def token_loss(logits_BTV, targets_BT, mask_BT):
+    """(sum of the masked tokens' cross entropies, number of real tokens), in fp32.
+
+    The target's logit is picked by a masked sum over the vocabulary, not a gather: the same
+    numbers, and a form XLA's SPMD partitioner takes inside a `shard_map` manual over some mesh
+    axes while the batch and the vocabulary are split over two others (a gather there fails its
+    partitioning check); under vocabulary parallelism it is a local sum plus one all-reduce."""
+    logits = logits_BTV.astype(jnp.float32)
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets_BT[..., None]
+    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    mask = mask_BT.astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask)

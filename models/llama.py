@@ -24,7 +24,12 @@ from jaxscale.axes import constrain
 from jaxscale.fields import nonneg, one_of, positive
 from jaxscale.fields import problems as field_problems
 from jaxscale.hooks.attention import IMPLEMENTATIONS, attention
-from jaxscale.hooks.projection import project, scanned_inputs, with_layer_input
+from jaxscale.hooks.projection import (
+    project,
+    project_columns,
+    scanned_inputs,
+    with_layer_input,
+)
 from jaxscale.models.layers import RMSNorm, apply_rope, embed_lookup, param, rope_frequencies
 from jaxscale.models.moe import MoE, summarise
 
@@ -76,10 +81,19 @@ class ModelConfig:
     moe_dropless: bool = False        # no capacity: every token reaches its experts (models/moe.py)
     moe_aux_weight: float = nonneg(0.01)     # Switch load-balancing loss weight
     moe_z_weight: float = nonneg(0.001)      # router z-loss weight
+    vocab_multiple: int = positive(1)  # embedding and head rows padded to a multiple of this
+                                       # (Megatron's make-vocab-size-divisible-by; a plan with
+                                       # tensor parallelism raises it to include mesh.tp)
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and columns of the head: `vocab_size` rounded up to a multiple
+        of `vocab_multiple`; the logits of the padding are masked out of the softmax."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is a mixture of experts: every `moe_every`-th layer."""
@@ -177,9 +191,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq):
-        q = project("btd,dhk->bthk", x_BTD, self.wq[...], "wq", _QKV_NAMES["heads"])
-        k = project("btd,dhk->bthk", x_BTD, self.wk[...], "wk", _QKV_NAMES["kv_heads"])
-        v = project("btd,dhk->bthk", x_BTD, self.wv[...], "wv", _QKV_NAMES["kv_heads"])
+        q, k, v = project_columns(
+            "btd,dhk->bthk", x_BTD, (self.wq[...], self.wk[...], self.wv[...]),
+            ("wq", "wk", "wv"), (_QKV_NAMES["heads"],) + (_QKV_NAMES["kv_heads"],) * 2)
         q = constrain(checkpoint_name(q, "q_proj"), "batch", "seq", "heads", "head_dim")
         k = constrain(checkpoint_name(k, "k_proj"), "batch", "seq", "kv_heads", "head_dim")
         v = constrain(checkpoint_name(v, "v_proj"), "batch", "seq", "kv_heads", "head_dim")
@@ -200,10 +214,9 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BTD):
-        g = checkpoint_name(project("btd,df->btf", x_BTD, self.w_gate[...], "w_gate",
-                                    _UP_NAMES), "mlp_gate")
-        u = checkpoint_name(project("btd,df->btf", x_BTD, self.w_up[...], "w_up", _UP_NAMES),
-                            "mlp_up")
+        g, u = project_columns("btd,df->btf", x_BTD, (self.w_gate[...], self.w_up[...]),
+                               ("w_gate", "w_up"), (_UP_NAMES, _UP_NAMES))
+        g, u = checkpoint_name(g, "mlp_gate"), checkpoint_name(u, "mlp_up")
         h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
         return checkpoint_name(project("btf,fd->btd", h_BTF, self.w_down[...], "w_down",
                                        _DOWN_NAMES), "mlp_down")
@@ -234,12 +247,24 @@ class Block(nnx.Module):
         return constrain(x_BTD, "batch", "norm_seq", "embed"), stats
 
 
+def _padded(init, dim: int, size: int):
+    """`init` drawn at the true vocabulary `size` along `dim` and padded with zeros to the
+    shape asked: the same values whatever the padding (a plan's, for tp)."""
+    def fn(key, shape, dtype):
+        true = shape[:dim] + (size,) + shape[dim + 1:]
+        width = [(0, 0)] * len(shape)
+        width[dim] = (0, shape[dim] - size)
+        return jnp.pad(init(key, true, dtype), width)
+    return fn
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         cfg.validate()
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
-        self.embed = param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pd, 1.0)
+        self.embed = param(rngs, (cfg.padded_vocab, cfg.dim), ("vocab", "embed"), pd, 1.0,
+                           init=_padded(nnx.initializers.normal(1.0), 0, cfg.vocab_size))
         if cfg.scan_layers:
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -251,8 +276,9 @@ class Llama(nnx.Module):
                                     for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, pd, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pd,
-                               1.0 / math.sqrt(cfg.dim))
+            self.head = param(rngs, (cfg.dim, cfg.padded_vocab), ("embed", "vocab"), pd,
+                              1.0, init=_padded(nnx.initializers.normal(1 / math.sqrt(cfg.dim)),
+                                                1, cfg.vocab_size))
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
                  block_wrapper: Callable | None = None, return_aux: bool = False):
@@ -311,9 +337,13 @@ class Llama(nnx.Module):
         return x_BTD, stats
 
     def logits(self, x_BTD):
-        """The final norm and the LM head: [B, T, D] -> logits [B, T, vocab] in float32."""
+        """The final norm and the LM head: [B, T, D] -> logits [B, T, padded vocab] in float32
+        (the padding's at -1e30: nothing of the softmax)."""
         x = self.norm(x_BTD)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         logits = project("btd,dv->btv", x.astype(jnp.dtype(self.cfg.dtype)), head, "head",
                          _HEAD_NAMES, preferred_element_type=jnp.float32)
+        if self.cfg.padded_vocab > self.cfg.vocab_size:      # no token is the padding
+            real = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) < self.cfg.vocab_size
+            logits = jnp.where(real, logits, jnp.float32(-1e30))
         return constrain(logits, "batch", "seq", "vocab")

@@ -106,10 +106,14 @@ def test_tp_census_is_activation_all_reduces_over_tp_only():
     rep = _report("tp8")
     assert {(r["kind"], tuple(r["axes"])) for r in rep["collectives"]} == {("all-reduce", ("tp",))}
     cfg = tiny_config(*PLANS["tp8"])
-    act = cfg.data.batch_size * cfg.data.seq_len * cfg.model.dim * 4
-    # at least the Megatron minimum: 4 per layer + embedding + head
-    assert rep["collectives"][0]["bytes"] >= (4 * cfg.model.n_layers + 2) * act
-    assert rep["collectives"][0]["count"] >= 4 * cfg.model.n_layers + 2
+    B, T, L = cfg.data.batch_size, cfg.data.seq_len, cfg.model.n_layers
+    act = B * T * cfg.model.dim * 4
+    # Megatron's minimum exactly: per layer 2 forward (attention and MLP outputs) and 2 backward
+    # (the q/k/v and the gate/up inputs' gradients, each group reduced once), the vocabulary-
+    # split embedding's output and the head's input gradient; and the vocabulary-parallel cross
+    # entropy's three [B, T] fp32 reductions (max, sum of exponentials, target logit)
+    assert rep["collectives"][0]["count"] == 4 * L + 2 + 3
+    assert rep["collectives"][0]["bytes"] == (4 * L + 2) * act + 3 * B * T * 4
 
 
 def test_report_schema():

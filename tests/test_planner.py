@@ -286,6 +286,29 @@ def test_does_not_fit_names_consumers_and_a_fix_that_fits():
         planner.check_fits(big)
 
 
+def test_a_once_per_step_sync_that_does_not_fit_is_refused_before_compiling():
+    """grad_sync=step over fsdp8 holds the gathered bf16 parameters and an fp32 accumulator
+    whole (8B parameters: 16 GB + 32 GB more per device): llama3-8b at 4 x 8 x 4096 tokens fits
+    an H100 reducing per micro-batch, not once per step; the message says which mode fits."""
+    base = Config(model=models.get("llama3-8b"), mesh=meshes.get("h100x8"),
+                  data=DataConfig(seq_len=4096, batch_size=32))
+    sets = ["mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1", "plan.accumulate=4", "plan.precision=bf16"]
+    planner.check_fits(apply_overrides(base, sets + ["plan.grad_sync=auto"]))
+    step = apply_overrides(base, sets + ["plan.grad_sync=step"])
+    extra = planner.predict(step).memory.total - planner.predict(
+        apply_overrides(base, sets)).memory.total
+    # every parameter's other 7/8 held in bf16 and accumulated in fp32, less the two gathered
+    # layers in flight the per-micro-batch mode counts (one computing, one prefetched)
+    m = step.model
+    psi = m.param_count()
+    layer = 2 * m.dim * m.n_heads * m.hd + 2 * m.dim * m.n_kv_heads * m.hd \
+        + 3 * m.dim * m.ffn_dim + 2 * m.dim
+    assert extra == pytest.approx((2 + 4) * psi * 7 / 8 - 2 * 2 * layer, rel=1e-6)
+    with pytest.raises(ValueError, match="does not fit") as err:
+        planner.check_fits(step)
+    assert "--set plan.grad_sync=auto" in str(err.value).splitlines()[2]
+
+
 def test_search_ranks_plans_and_says_why_others_were_rejected():
     cfg = tiny_config()
     res = search.search(cfg, 8)

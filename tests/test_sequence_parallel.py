@@ -2,16 +2,12 @@
 attention over sp, alone and with dp, fsdp, tp, remat and accumulation, give one device's losses
 and gradients; their collectives are the planner's; bad plans are refused by name.
 (The attention functions themselves: tests/test_context_attention.py.)"""
-import jax
-import numpy as np
 import pytest
 
 from jaxscale import plan, planner
 from jaxscale.analysis import inspect, validation
-from jaxscale.data import Batches, load_corpus
-from jaxscale.train.setup import build
-from tests.helpers import MESH_1, tiny_config
-from tests.test_parallel import _trajectory
+from tests import numerics
+from tests.helpers import tiny_config
 
 KV8 = ("model.n_kv_heads=8",)
 PLANS = {
@@ -30,7 +26,7 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    return _trajectory(tiny_config(*MESH_1, *KV8), jax.devices()[:1])
+    return numerics.one_device(*KV8)
 
 
 MEGATRON_SP = ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "plan.sequence_parallel=true")
@@ -40,31 +36,13 @@ MEGATRON_SP = ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "plan.sequence_parallel=
 def test_plan_matches_single_device(name, reference):
     """(Megatron SP alone: its numerics are those of the ring+megatron plan, its census below;
     ring over all 8 devices: the bf16 test below.)"""
-    losses, grads, params = _trajectory(tiny_config(*PLANS[name], *KV8), jax.devices())
-    ref_losses, ref_grads, ref_params = reference
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
-            assert np.abs(a - b).max() / (np.abs(b).max() + 1e-12) < 1e-4
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(a, b, atol=2e-5)
-
-
-def _losses(cfg, devices, steps=2):
-    setup = build(cfg, devices)
-    batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
-    state, out = setup.init_state(), []
-    for i in range(steps):
-        state, m = setup.train_step(state, batches.device_batch(i, setup.batch_shardings()))
-        out.append(float(m["loss"]))
-    return out
+    numerics.assert_matches(numerics.run((*PLANS[name], *KV8)), reference)
 
 
 def test_bf16_ring_tracks_one_bf16_device():
     bf16 = ("plan.precision=bf16", *KV8)
-    ref = _losses(tiny_config(*MESH_1, *bf16), jax.devices()[:1])
-    np.testing.assert_allclose(_losses(tiny_config(*PLANS["ring sp8"], *bf16), jax.devices()),
-                               ref, rtol=1e-2)
+    numerics.assert_matches(numerics.run((*PLANS["ring sp8"], *bf16)),
+                            numerics.one_device(*bf16), numerics.BF16)
 
 
 @pytest.mark.parametrize("name, kind, per_layer", [

@@ -7,6 +7,9 @@ The model calls three hooks, each with a plain default and nothing of any strate
   `context` seam;
 - `projection.project`: every weight matmul (q, k, v, o, gate, up, down, the LM head); by the
   implementation registered under the rules' `projection` seam (collective matmul, 8-bit QAT);
+- `projection.project_columns`: the matmuls that read one input (q, k, v; gate, up), each still
+  through `project`; by the implementation registered under the rules' `columns` seam (tensor
+  parallelism's: the group in one region, so its input gradient is reduced once);
 - `experts.to_experts` / `from_experts` / `on_data_shards`: a mixture of experts' dispatch of
   tokens to expert slots and back (`models/moe.py`); by the implementation registered under the
   rules' `experts` seam (the sharded dispatch of expert parallelism).
@@ -23,7 +26,8 @@ from typing import Callable
 from jaxscale.axes import active
 
 #: seam -> name -> implementation
-SEAMS: dict[str, dict[str, Callable]] = {"context": {}, "projection": {}, "experts": {}}
+SEAMS: dict[str, dict[str, Callable]] = {"context": {}, "projection": {}, "columns": {},
+                                          "experts": {}}
 
 
 def register(seam: str, name: str):

@@ -36,6 +36,18 @@ def project(eq: str, x, w, site: str, names: tuple[tuple, tuple, tuple], **kw):
     return fn(eq, x, w, site, names, mesh, rules, **kw)
 
 
+def project_columns(eq: str, x, ws: tuple, sites: tuple[str, ...], names: tuple) -> tuple:
+    """einsum(eq, x, w) for each w of `ws`, matmuls that read the one input `x` (q, k, v; gate,
+    up), each through `project`: as a group by the implementation the active rules name for
+    the `columns` seam (tensor parallelism: one region, so that x's gradient is reduced once
+    for the group, not once per matmul), else one by one."""
+    found = implementation("columns")
+    if found is None:
+        return tuple(project(eq, x, w, s, n) for w, s, n in zip(ws, sites, names))
+    fn, mesh, rules = found
+    return fn(eq, x, ws, sites, names, mesh, rules)
+
+
 # ----------------------------------------------------------------------------- per-layer inputs
 # An implementation with per-layer state (fp8 delayed scaling: each layer's scales) hands the
 # model's layer loop a tree of [layers, ...] arrays with `layer_inputs`; the loop (`Llama.blocks`)

@@ -44,6 +44,7 @@ from jaxscale.interop.hf_tensors import (
     to_hf_layout,
 )
 from jaxscale.models.llama import ModelConfig
+from jaxscale.train import disk
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 #: tensors some checkpoints carry that are derived, not learned (RoPE tables)
@@ -223,8 +224,13 @@ def load(path, cfg=None, devices=None, **model_overrides) -> Loaded:
                              f"than its tokenizer's vocabulary ({tok.vocab_size}): {bad}")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tok.path)))
     placement = plan_lib.place(cfg, devices)
-    shardings = FunctionalModel(model_cfg).param_shardings(placement)
-    return Loaded(cfg, placement, load_params(ckpt, model_cfg, shardings), tok)
+    # read at the file's vocabulary (whole along it), then padded as the plan pads it
+    model = FunctionalModel(placement.spec.model)
+    padded = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          model.abstract_params, model.param_shardings(placement))
+    true = disk.disk_abstract(padded, model_cfg.vocab_size)
+    params = load_params(ckpt, model_cfg, jax.tree.map(lambda a: a.sharding, true))
+    return Loaded(cfg, placement, disk.from_disk(params, padded), tok)
 
 
 # ----------------------------------------------------------------------------- export
@@ -249,6 +255,7 @@ def export(path, params, cfg: ModelConfig, dtype: str = "float32",
     from safetensors.numpy import save_file
     out = Path(path)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    params = disk.to_disk(params, cfg.vocab_size)      # a plan's vocabulary padding left out
     maps = tensor_maps(cfg)
     sizes = []
     for m in maps:

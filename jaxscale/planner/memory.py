@@ -97,7 +97,7 @@ def model_terms(spec, full) -> list[Term]:
     # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
     grads = (sh.grads if fsdp.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
     tokens = spec.micro_batch * spec.local_seq
-    logits = 2 * tokens * spec.model.vocab_size / spec.deg("tp") * 4
+    logits = 2 * tokens * spec.model.padded_vocab / spec.deg("tp") * 4
     # kept whole over dp until the update (no layer-by-layer reduction, no ZeRO-2 scatter), the
     # stack is placed around the backward's short-lived buffers: XLA:CPU's heap leaves about half
     # a gradient buffer unused then (compiled temp against the live-set peak, `docs/planner.md`)

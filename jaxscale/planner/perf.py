@@ -93,7 +93,7 @@ def flops(spec) -> Flops:
     causal_kernel = spec.attention != "xla"
     parts = layer_flops_per_token(m, spec.seq, causal_kernel, *moe_rows(spec))
     per_layer = sum(parts.values())
-    head = 2 * m.dim * m.vocab_size
+    head = 2 * m.dim * m.padded_vocab
     tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp"))
     t, p = spec.deg("tp"), spec.deg("pp")
     fwd = tokens * (per_layer * spec.stage_layers + head / p) / t
@@ -135,7 +135,7 @@ def embedding_gradient(spec, tokens: float) -> float:
     m = spec.model
     if m.vocab_size > ONE_HOT_MAX_VOCAB:
         return 0.0
-    return 2 * m.vocab_size / spec.deg("tp") * m.dim * tokens / spec.deg("pp")
+    return 2 * m.padded_vocab / spec.deg("tp") * m.dim * tokens / spec.deg("pp")
 
 
 @dataclass

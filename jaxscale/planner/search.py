@@ -1,11 +1,12 @@
 """Search: every plan a mesh allows, under its memory limit, ranked by predicted step time.
 
 Candidates: every assignment of the device count to (dp, pp, fsdp, sp, tp) degrees (ep with a
-mixture of experts) whose product is the device count, with tp and sp inside one node, crossed
-with ZeRO stage (when dp > 1), remat policy (none, save_dots, full), accumulation or pipeline
-micro-batches, and the pipeline schedule. Node boundaries follow the mesh's outer-to-inner order:
-the outermost axes take the cross-node (DCN) part, as `MeshConfig.dcn_*` would. Precision and
-offload stay as configured (they change numerics or need host memory the user must grant);
+mixture of experts) whose product is the device count, with tp and sp inside one node, crossed with
+ZeRO stage (when dp > 1), remat policy (none, save_dots, full), accumulation or pipeline micro-
+batches, the pipeline schedule, and when the data axes reduce the gradients (`plan.grad_sync`,
+where the modes differ: `sync_modes`). Node boundaries follow the mesh's outer-to-inner order: the
+outermost axes take the cross-node (DCN) part, as `MeshConfig.dcn_*` would. Precision and offload
+stay as configured (they change numerics or need host memory the user must grant);
 `does_not_fit_message` does consider them as fixes.
 
 Each candidate is either accepted (valid and fits) or rejected with its reason: the first
@@ -91,10 +92,27 @@ def candidates(base: Spec) -> list[Spec]:
             for remat in REMATS:
                 for k in micro:
                     for sched in schedules:
-                        out.append(replace(base, degrees=deg, dcn=dcn, zero=z, remat=remat,
-                                           accumulate=k, schedule=sched,
-                                           virtual_stages=2 if sched == "interleaved" else 1))
+                        for sync in sync_modes(deg, z, k):
+                            out.append(replace(
+                                base, degrees=deg, dcn=dcn, zero=z, remat=remat, accumulate=k,
+                                schedule=sched, grad_sync=sync,
+                                virtual_stages=2 if sched == "interleaved" else 1))
     return out
+
+
+def sync_modes(deg: dict, zero: int, k: int) -> tuple[str, ...]:
+    """The gradient-sync modes that make different programs (`strategies.dp`): with one
+    micro-batch, one; `step` where an axis splits the parameters (fsdp, ZeRO-3's dp: more
+    memory, fewer bytes); `microbatch` where a replicated dp axis would be reduced once (a
+    sharded accumulator under ZeRO-2: less memory, more bytes)."""
+    if k == 1:
+        return ("auto",)
+    out = ["auto"]
+    if deg["fsdp"] > 1 or (zero >= 3 and deg["dp"] > 1):
+        out.append("step")
+    if deg["dp"] > 1 and zero < 3:
+        out.append("microbatch")
+    return tuple(out)
 
 
 def search(cfg, n_devices: int | None = None, *, base: Spec | None = None,
@@ -137,6 +155,11 @@ def fixes(spec: Spec) -> list[tuple[str, dict]]:
     for r in REMATS[1:]:
         if spec.remat != r:
             out.append((f"plan.remat={r}", {"remat": r}))
+    if spec.accumulate > 1 and (dp > 1 or fsdp > 1):
+        # the once-per-step accumulator (and held parameters) against one reduced per micro-batch
+        for mode in ("auto", "microbatch"):
+            if spec.grad_sync not in (mode, "microbatch") and (mode == "auto" or spec.zero < 3):
+                out.append((f"plan.grad_sync={mode}", {"grad_sync": mode}))
     for k in (2, 4, 8):
         if spec.accumulate * k <= spec.local_batch:
             out.append((f"plan.accumulate={spec.accumulate * k}",

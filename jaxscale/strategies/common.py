@@ -99,12 +99,21 @@ PARTS = {
                   "summed over the micro-batches",
     "grads": "pp: (model, placement, block_wrapper, forward_only=False) -> the grads function",
     "probe": "qat: a `Probe`, inputs of the model whose cotangents the step reads",
-    "reduce": "compression, sparse_embedding: (grads fn, placement) -> the grads fn with its "
-              "gradient mean over dp computed in shard_map, per-device state in and out",
+    "reduce": "dp: (grads fn, step context) -> the grads fn run in the data region and reduced "
+              "there once per step (`strategies.dp.region`), per-device state in and out",
+    "mean": "compression, sparse_embedding: (step context) -> fn(a device's shards of its "
+            "gradients, its state, its rows' inputs) -> (their mean over dp, state), in the data "
+            "region in place of the exact sum",
+    "comm_specs": "compression, local_sgd: (parameter specs, abstract comm state, optimizer) -> "
+                  "the mesh specs of `TrainState.comm`",
     "update": "offload: (ctx) -> the optimizer update (streamed through the device)",
     "after_update": "prune: (ctx) -> fn(updated target, updates done) -> target",
     "train_step": "local_sgd: (ctx) -> the whole train step",
 }
+
+
+#: the key of the grads function's statistics that carries a probe's cotangent
+PROBE = "probe"
 
 
 @dataclass(frozen=True)
@@ -126,8 +135,9 @@ class StepParts:
     `jaxscale.plan.step_parts`; `jaxscale.train` builds the state and the step from them.
 
     `PARTS` names each part and the strategy that sets it. Besides: `state` maps a `TrainState`
-    field to its initialiser `init(params, optimizer)` (`comm`: per-device state, [dp, ...]
-    leaves split over the data axes; `quant`: replicated), set as `state.<field>`;
+    field to its initialiser `init(params, optimizer, where)` (`where`: the parameters' mesh
+    specs and the mesh's axis sizes; `comm`: laid out by `comm_specs`; `quant`: replicated), set
+    as `state.<field>`;
     `compiler_options` are XLA's options for the jitted step. An unset part keeps the plain
     step's behaviour; two strategies setting one part is an error naming both, as two rules for
     one logical axis are."""
@@ -143,6 +153,8 @@ class StepParts:
     grads: Callable | None = None
     probe: Probe | None = None
     reduce: Callable | None = None
+    mean: Callable | None = None
+    comm_specs: Callable | None = None
     update: Callable | None = None
     after_update: Callable | None = None
     train_step: Callable | None = None

@@ -17,7 +17,8 @@ rounding; R = E for dropless under ep, whose buffer is sized for the worst case)
 - a full-remat policy replays the forward's two all-to-alls in the backward (6 per layer):
   the combine's backward needs each token's expert outputs, so the experts are recomputed;
 - expert gradients are complete where the experts live, so they are not reduced over `ep`
-  (`dp.py`); under tp the expert MLP's all-reduces act on the buffer, not on bsh (`tp.py`).
+  (`strategies/dp`); under tp the expert MLP's all-reduces act on the buffer, not on bsh
+  (`strategies/tp`).
 Dropless without ep runs per data shard (`on_data_shards`): no all-to-all, and its expert
 gradients are all-reduced over the data axes inside the shard_map.
 

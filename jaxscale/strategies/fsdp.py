@@ -11,14 +11,17 @@ head's backward gather is `optional`: XLA's CSE sometimes reuses the forward cop
 does not (seen both ways on one mesh at different batch sizes). With accumulation the layer
 gathers repeat per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted
 out of the micro-batch loop. A remat policy gathers the layers' RMSNorm scales once more for the
-replayed forward. The gradient reduce-scatter is part of the data axes' reduction (`dp.py`).
-ZeRO-3 over `dp` is FSDP over (dp, fsdp): the same gathers, over both axes.
+replayed forward. The gradient reduce-scatter is part of the data axes' reduction (`strategies/dp`).
+ZeRO-3 over `dp` is FSDP over (dp, fsdp): the same gathers, over both axes. With
+`plan.grad_sync=step` and micro-batches the parameters are gathered once, at the start of the
+step, and held whole over these axes until its end (`dp.memory` counts them): one all-gather per
+parameter per step in place of the per-use ones.
 """
 from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import pp, zero
+from jaxscale.strategies import dp, pp, zero
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import leaves
 
@@ -57,6 +60,11 @@ def collectives(spec) -> list[Comm]:
         return []
     k, pb = max(1, spec.accumulate), spec.wire_param_itemsize
     n = math.prod(spec.deg(a) for a in axes)
+    if step_gathered(spec):
+        ls = leaves(spec.model)
+        return [Comm("all-gather", axes, sum(leaf.local_size(spec, drop=("fsdp",)) for leaf in ls)
+                     * pb, len(ls), "parameters, once per step (plan.grad_sync=step)", group=n,
+                     overlap=True)]
     # outside the layers: gathered once per step, or with pipelining on its stage once per
     # micro-batch
     pipelined = spec.deg("pp") > 1
@@ -102,9 +110,15 @@ def collectives(spec) -> list[Comm]:
     return out
 
 
+def step_gathered(spec) -> bool:
+    """Whether the step gathers the parameters once and holds them (`plan.grad_sync=step`)."""
+    return bool(gather_axes(spec)) and set(gather_axes(spec)) <= set(dp.sync_axes(spec))
+
+
 def memory(spec) -> list[Term]:
-    """One gathered layer of weights and that layer's unreduced gradient, during the backward."""
-    if not gather_axes(spec):
+    """One gathered layer of weights and that layer's unreduced gradient, during the backward
+    (held whole for the step instead with `plan.grad_sync=step`: `dp.memory`)."""
+    if not gather_axes(spec) or step_gathered(spec):
         return []
     return [Term("backward", 2 * zero.shards(spec).gathered_layer * spec.wire_param_itemsize,
                  "one gathered layer and its unreduced gradient")]

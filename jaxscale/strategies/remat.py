@@ -17,8 +17,8 @@ activations are rebuilt while its backward runs. Costs: full remat replays each 
 but its last matmul (whose output no backward needs), so block FLOPs grow a little under 4/3
 (`jaxscale.planner.perf.recompute_per_token` has the exact replay). Collectives: under TP the
 replayed forward repeats the attention-output all-reduce (unless `o_proj` is kept); under FSDP
-it gathers the RMSNorm scales again (see `tp.py`, `fsdp.py`). Offload adds device<->host copies
-(PCIe bandwidth) instead of recompute.
+it gathers the RMSNorm scales again (see `strategies/tp`, `fsdp.py`). Offload adds device<->host
+copies (PCIe bandwidth) instead of recompute.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ Saves: the state above, per device. Costs, in collectives per step: stage 1 all-
 gradients (2 Psi), updates its shard and all-gathers the new parameters (Psi); stage 2
 reduce-scatters gradients (Psi) and all-gathers parameters (Psi): 2 Psi; stage 3 all-gathers
 parameters in forward and backward and reduce-scatters gradients: 3 Psi (the gathers are FSDP's,
-over (dp, fsdp): `fsdp.py`; the gradient reduction is the data axes', `dp.py`). XLA may turn stage
-1's all-reduce + slice into a reduce-scatter itself.
+over (dp, fsdp): `fsdp.py`; the gradient reduction is the data axes', `strategies/dp`). XLA
+may turn stage 1's all-reduce + slice into a reduce-scatter itself.
 
 In the step (`shape_step`): `state_specs` gives each part of the train state its layout;
 gradients take the sharded layout from stage 2 (`StateSpecs.grads`).
@@ -56,10 +56,17 @@ def shard_spec(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], ze
     stages 1 and 2 after the axes already there (it splits each of their shards), at stage 3 before
     them."""
     from jax.sharding import PartitionSpec as P
+    return P(*shard_entries(partition, shape, axis_sizes, zero_stage, axis))
+
+
+def shard_entries(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
+                  axis: str = AXIS) -> list:
+    """`shard_spec`'s entries, one per dimension (None, a mesh axis or a tuple of them), without
+    JAX (the planner's formulas read them)."""
     n = axis_sizes.get(axis, 1)
     entries = list(partition) + [None] * (len(shape) - len(partition))
     if n == 1 or any(axis in _axes(e) for e in entries):
-        return P(*entries)
+        return entries
 
     def local(i):
         return shape[i] // math.prod(axis_sizes[a] for a in _axes(entries[i]))
@@ -70,8 +77,8 @@ def shard_spec(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], ze
             nest = (_axes(entries[i]) + (axis,) if zero_stage < 3
                     else (axis,) + _axes(entries[i]))
             entries[i] = nest if entries[i] else axis
-            return P(*entries)
-    return P(*entries)
+            return entries
+    return entries
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jax
 
+from jaxscale.train import disk
 from jaxscale.train.checkpoint_meta import (
     CheckpointError,
     CorruptCheckpointError,
@@ -197,8 +198,9 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
     ckpt = Checkpointer(directory, ckpt_cfg)
     step = listing.latest
     meta = ckpt.read_meta(step)
-    notes = check_compatible(meta, cfg, abstract_state, str(Path(directory) / str(step)))
-    state = ckpt.restore(step, abstract_state, meta.get("checksums"))
+    kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size)     # the true vocabulary
+    notes = check_compatible(meta, cfg, kept, str(Path(directory) / str(step)))
+    state = disk.from_disk(ckpt.restore(step, kept, meta.get("checksums")), abstract_state)
     restored = int(jax.device_get(state.step)) if hasattr(state, "step") else step
     if restored != step:
         raise CorruptCheckpointError(

@@ -45,6 +45,7 @@ from jaxscale import config as config_lib
 from jaxscale.fields import raise_problems
 from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale.train import checkpoint_meta as ckpt_meta
+from jaxscale.train import disk
 
 
 @dataclass
@@ -154,22 +155,24 @@ def load(cfg, placement, policy) -> Teacher:
         meta = ckpt.read_meta(step)
         tcfg = config_lib.from_dict(tdict if tdict is not None else meta["config"])
         raise_problems(problems(cfg, placement.spec, tcfg))
-        model = FunctionalModel(dataclasses.replace(tcfg.model, dtype=policy.compute_dtype,
-                                                    param_dtype="float32"))
+        model = FunctionalModel(dataclasses.replace(      # padded as the student's plan pads
+            tcfg.model, dtype=policy.compute_dtype, param_dtype="float32",
+            vocab_multiple=placement.spec.model.vocab_multiple))
         shardings = model.param_shardings(placement)
         leaves = meta["leaves"]
-        target = jax.tree_util.tree_map_with_path(
+        padded = jax.tree_util.tree_map_with_path(
             lambda path, a, sh: jax.ShapeDtypeStruct(
                 a.shape, np.dtype(leaves["params/" + jax.tree_util.keystr(
                     path, simple=True, separator="/")][1]), sharding=sh),
             model.abstract_params, shardings)
+        target = disk.disk_abstract(padded, tcfg.model.vocab_size)   # as the checkpoint holds
         ocp = ckpt.ocp                # only the parameters, each device its own slices
         restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
         out = ocp.PyTreeCheckpointer().restore(
             (ckdir / str(step) / "state").absolute(), args=ocp.args.PyTreeRestore(
                 item={"params": target}, restore_args={"params": restore_args},
                 partial_restore=True))
-        params = reorder(out["params"], meta.get("layer_order"), None)
+        params = disk.from_disk(reorder(out["params"], meta.get("layer_order"), None), padded)
     finally:
         ckpt.close()
     return Teacher(tcfg, model, params, shardings, float(cfg.train.distill_temperature),

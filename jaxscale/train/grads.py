@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from jaxscale.models.layers import token_loss
+from jaxscale.strategies.common import PROBE
 
 #: the train step's metrics of a mixture-of-experts model: the router losses (unweighted, averaged
 #: over layers and micro-batches) and the fraction of expert assignments dropped by capacity
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
 #: with a distillation teacher (`train.teacher`): the token-mean T^2 KL(teacher || student)
 DISTILL_METRICS = ("distill_kd",)
-#: the key of the step statistics that carries a probe's cotangent out of the grads function
-PROBE = "probe"
-
-
-def token_loss(logits_BTV, targets_BT, mask_BT):
-    """(sum of masked token losses, number of real tokens)."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
-    mask = mask_BT.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
 
 
 def make_grads_fn(model, parts, k: int = 1, with_stats: bool = False, distill=None):

@@ -43,6 +43,7 @@ from jaxscale import hardware
 from jaxscale.data import Batches, make_batches
 from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale.train import checkpoint_meta as ckpt_meta
+from jaxscale.train import disk
 from jaxscale.train.grads import DISTILL_METRICS, MOE_METRICS
 from jaxscale.train.setup import build
 
@@ -234,7 +235,8 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
 
     def save(step_no: int) -> None:
         if step_no not in saved:
-            ckpt.save(step_no, state, ckpt_meta.make_meta(cfg, state, step_no, row, order))
+            kept = disk.to_disk(state, cfg.model.vocab_size)      # the true vocabulary
+            ckpt.save(step_no, kept, ckpt_meta.make_meta(cfg, kept, step_no, row, order))
             saved.add(step_no)
 
     try:

@@ -56,11 +56,11 @@ class Setup:
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_state(self.model, self.optimizer, self.parts, self.state_shardings,
-                                    self.placement, self.cfg.train.seed)
+                                    self.placement, self.layout, self.cfg.train.seed)
 
     def abstract_state(self) -> state_lib.TrainState:
         return state_lib.abstract_state(self.model, self.optimizer, self.parts,
-                                        self.state_shardings)
+                                        self.state_shardings, self.placement, self.layout)
 
     @property
     def packed(self) -> bool:
@@ -81,14 +81,16 @@ class Setup:
             return self.train_step.lower(self.abstract_state(), self.abstract_batch())
 
 
-def build(cfg, devices=None, donate: bool | None = None) -> Setup:
+def build(cfg, devices=None, donate: bool | None = None, with_grads: bool = False) -> Setup:
+    """`with_grads`: the train step's metrics carry the mean gradients its update read
+    (`step.make_train_step`), for the numerics tests."""
     placement = plan_lib.place(cfg, devices)
     if cfg.plan.check_memory:          # "does not fit" from the planner, before any compile
         from jaxscale import planner
         planner.check_fits(cfg, placement.mesh.devices.size)
     parts = plan_lib.step_parts(placement.spec)
-    model = state_lib.FunctionalModel(dataclasses.replace(
-        cfg.model, dtype=parts.policy.compute_dtype, param_dtype="float32"))
+    model = state_lib.FunctionalModel(dataclasses.replace(     # the plan's (vocabulary padded)
+        placement.spec.model, dtype=parts.policy.compute_dtype, param_dtype="float32"))
     optimizer, learning_rate = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
     lay = state_lib.layout(model, placement, parts)
     host_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts)
@@ -100,11 +102,12 @@ def build(cfg, devices=None, donate: bool | None = None) -> Setup:
     ctx = step_lib.StepContext(model, optimizer, learning_rate, placement, parts.policy, lay,
                                dev_sh, host_sh, parts)
     packed = bool(cfg.data.shards)
-    train_step = step_lib.jit_train_step(step_lib.make_train_step(ctx, teacher), host_sh,
-                                         placement, parts,
+    train_step = step_lib.jit_train_step(step_lib.make_train_step(ctx, teacher, with_grads),
+                                         host_sh, placement, parts,
                                          donate=cfg.plan.donate if donate is None else donate,
                                          packed=packed,
-                                         teacher_sh=teacher.shardings if teacher else None)
+                                         teacher_sh=teacher.shardings if teacher else None,
+                                         with_grads=with_grads)
     if teacher is not None:
         train_step = teacher.bind(train_step)
     eval_step = step_lib.jit_eval_step(

@@ -67,8 +67,8 @@ class TrainState:
     opt_state: Any
     master: Any = None          # fp32 master weights (16-bit policies), else None
     loss_scale: Any = None      # {"scale", "good_steps"} for dynamic loss scaling, else None
-    comm: Any = None            # gradient compression's per-device state ([dp, ...]), local
-                                # SGD's replicas and their optimizer states ([dp, ...]), else None
+    comm: Any = None            # gradient compression's per-device state ([devices, ...]),
+                                # local SGD's replicas and their optimizer states ([dp, ...])
     quant: Any = None           # fp8 QAT's amax histories ([layers, slots, history]), else None
 
 
@@ -147,8 +147,9 @@ def state_optimizer(optimizer, parts):
 def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayout, parts,
                     on_device: bool = False) -> TrainState:
     """Shardings for the whole train state; optimizer moments follow the tensors they update
-    (the master's shards). A strategy's per-device state (`comm`, [dp, ...]) is split over the
-    data axes, its replicated state (`quant`) is replicated.
+    (the master's shards). A strategy's state is laid out as it says (`parts.comm_specs`: local
+    SGD's replicas over dp, compression's per-device state over every device), or replicated
+    (`quant`).
 
     `on_device=True` gives the same shardings with every part in device memory (what the step
     computes with after bringing offloaded parts over)."""
@@ -160,48 +161,66 @@ def state_shardings(model: FunctionalModel, optimizer, placement, lay: StateLayo
                                    named_shardings(placement, lay.specs.shards, kind("optimizer")),
                                    transform_non_params=lambda _: placement.replicated())
     rep = placement.replicated()
-    extra = jax.eval_shape(lambda p: _strategy_state(parts, p, optimizer), model.abstract_params)
+    where = _where(placement, lay)
+    extra = jax.eval_shape(lambda p: _strategy_state(parts, p, optimizer, where),
+                           model.abstract_params)
+    comm = None
+    if extra["comm"] is not None:
+        comm = named_shardings(placement, parts.comm_specs(lay.specs.params, extra["comm"],
+                                                           optimizer))
     return TrainState(
         step=rep, params=named_shardings(placement, lay.specs.params, kind("params")),
         opt_state=opt_sh,
         master=named_shardings(placement, lay.specs.shards, kind("master")) if lay.master else None,
         loss_scale={"scale": rep, "good_steps": rep} if lay.loss_scale else None,
-        comm=jax.tree.map(lambda _: placement.sharding(("batch",)), extra["comm"]),
-        quant=jax.tree.map(lambda _: rep, extra["quant"]))
+        comm=comm, quant=jax.tree.map(lambda _: rep, extra["quant"]))
 
 
-def _strategy_state(parts, params, optimizer) -> dict:
+def _where(placement, lay: StateLayout) -> tuple:
+    """(the parameters' mesh specs, {mesh axis: size}): what a strategy's state initialiser
+    lays its per-device state out by."""
+    return lay.specs.params, dict(zip(placement.mesh.axis_names, placement.mesh.devices.shape))
+
+
+def _strategy_state(parts, params, optimizer, where) -> dict:
     """The strategies' parts of the state (`parts.state`), None where no strategy has one."""
     unknown = set(parts.state) - {"comm", "quant"}
     if unknown:
         raise ValueError(f"a strategy keeps state in TrainState.{sorted(unknown)[0]}, which the "
                          f"train state has no field for (comm, quant)")
-    return {f: parts.state[f](params, optimizer) if f in parts.state else None
+    if "comm" in parts.state and parts.comm_specs is None:
+        raise ValueError(f"{parts.owner['state.comm']} keeps state in TrainState.comm but sets "
+                         f"no comm_specs: say how it is laid out")
+    return {f: parts.state[f](params, optimizer, where) if f in parts.state else None
             for f in ("comm", "quant")}
 
 
-def _fresh(model, optimizer, parts, key) -> TrainState:
+def _fresh(model, optimizer, parts, key, where) -> TrainState:
     policy = parts.policy
     master = model.init(key)                     # initialised in fp32
     return TrainState(step=jnp.zeros((), jnp.int32), params=policy.working(master),
                       opt_state=state_optimizer(optimizer, parts).init(master),
                       master=master if policy.master else None,
                       loss_scale=policy.init_loss_scale(),
-                      **_strategy_state(parts, master, optimizer))
+                      **_strategy_state(parts, master, optimizer, where))
 
 
-def abstract_state(model: FunctionalModel, optimizer, parts, shardings: TrainState) -> TrainState:
-    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, parts, jax.random.key(0)))
+def abstract_state(model: FunctionalModel, optimizer, parts, shardings: TrainState,
+                   placement, lay: StateLayout) -> TrainState:
+    where = _where(placement, lay)
+    shapes = jax.eval_shape(lambda: _fresh(model, optimizer, parts, jax.random.key(0), where))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
 
 def init_state(model: FunctionalModel, optimizer, parts, shardings: TrainState, placement,
-               seed: int) -> TrainState:
+               lay: StateLayout, seed: int) -> TrainState:
     """Create the train state directly in its shards (and memory kinds), its stacked layers in
     the plan's stored order (`parts.layer_order`)."""
+    where = _where(placement, lay)
+
     def fresh(k):
-        return reorder(_fresh(model, optimizer, parts, k), None, parts.layer_order)
+        return reorder(_fresh(model, optimizer, parts, k, where), None, parts.layer_order)
     with jax.set_mesh(placement.mesh):
         return jax.jit(fresh, out_shardings=shardings)(jax.random.key(seed))
 

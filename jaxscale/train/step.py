@@ -8,9 +8,10 @@ The plan's strategies do not appear here by name: each sets the parts of the ste
    there);
 2. the gradients of the loss times the loss scale (`parts.policy`), token-mean, in fp32, by the
    plan's grads function (`grads.plan_grads_fn`: the pipeline engine, or the model over the
-   micro-batches, through the batch view, with a probe's inputs); with `parts.reduce` (gradient
-   compression, sparse embedding exchange) their mean over dp is computed by the strategy in
-   `jax.shard_map`, its per-device state in `TrainState.comm`;
+   micro-batches, through the batch view, with a probe's inputs); with `parts.reduce` they are
+   computed in the data region and reduced there once per step (`strategies.dp.region`: a
+   once-per-step sync, gradient compression or the sparse embedding exchange, whose per-device
+   state is `TrainState.comm`);
 3. the gradients in their ZeRO layout (`StateLayout.specs.grads`), their global norm, and whether
    the step is finite (loss and norm);
 4. the optimizer update of the fp32 master (or of the parameters), clipped by that norm: by
@@ -135,10 +136,11 @@ def update_if_finite(finite, fn, inputs, state, mesh, specs):
                          out_specs=specs[1], check_vma=False)(finite, inputs, state)
 
 
-def make_train_step(ctx: StepContext, distill=None):
+def make_train_step(ctx: StepContext, distill=None, with_grads: bool = False):
     """The train step (state, batch) -> (state, metrics); with `distill` (a `distill.Teacher`)
     (state, batch, teacher params) -> ..., the teacher's parameters an argument (not donated,
-    not in the state)."""
+    not in the state). `with_grads`: the metrics also carry `grads`, the mean gradients the
+    update read (the numerics tests compare them with one device's, without a second compile)."""
     parts, placement, policy, lay = ctx.parts, ctx.placement, ctx.policy, ctx.lay
     ctx.grads_fn = grads_lib.plan_grads_fn(ctx.model, placement, parts, with_stats=True,
                                            distill=distill)
@@ -146,7 +148,7 @@ def make_train_step(ctx: StepContext, distill=None):
     if parts.train_step is not None:          # a strategy's own step (local SGD)
         return parts.train_step(ctx)
     grads_fn, probe = ctx.grads_fn, parts.probe
-    reduce = parts.reduce(grads_fn, placement) if parts.reduce else None
+    reduce = parts.reduce(grads_fn, ctx) if parts.reduce else None
     update = parts.update(ctx) if parts.update else guarded_update(ctx)
 
     def train_step(state: TrainState, batch, *teacher):
@@ -179,6 +181,8 @@ def make_train_step(ctx: StepContext, distill=None):
                    "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **stats}
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]
+        if with_grads:
+            metrics["grads"] = grads
         return new_state, metrics
 
     return train_step
@@ -206,12 +210,15 @@ def make_eval_step(model: FunctionalModel, placement, parts: StepParts, device_p
 
 
 def jit_train_step(step_fn, state_sh: TrainState, placement, parts: StepParts,
-                   donate: bool = True, packed: bool = False, teacher_sh=None):
-    """`teacher_sh`: the shardings of a distillation teacher's parameters, the third argument."""
+                   donate: bool = True, packed: bool = False, teacher_sh=None,
+                   with_grads: bool = False):
+    """`teacher_sh`: the shardings of a distillation teacher's parameters, the third argument.
+    The metrics come back replicated, but for `with_grads`' gradients, which stay where the
+    update read them (gathering them would add collectives the plan does not have)."""
     extra = () if teacher_sh is None else (teacher_sh,)
     return jax.jit(step_fn,
                    in_shardings=(state_sh, batch_shardings(placement, parts, packed)) + extra,
-                   out_shardings=(state_sh, placement.replicated()),
+                   out_shardings=(state_sh, None if with_grads else placement.replicated()),
                    donate_argnums=(0,) if donate else (),
                    compiler_options=dict(parts.compiler_options) or None)
 

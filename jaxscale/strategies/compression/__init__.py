@@ -1,26 +1,32 @@
 """Gradient compression over `dp`: the gradient mean computed by a compression method (`methods.py`,
-`powersgd.py`) in `jax.shard_map` instead of XLA's fp32 all-reduce.
+`powersgd.py`) instead of an fp32 all-reduce, on any layout of the other axes.
 
 `plan.compression=bf16|fp8|int8|sign|topk|threshold|powersgd` (with `plan.compression_block`,
-`_density`, `_threshold`, `_rank`). Each device computes the gradients of its own rows of the
-batch (its micro-batches too); they are weighted by its share of the real tokens, so the mean
-over devices is the token-mean gradient of the whole batch, as without compression; the mean
-is computed by the method (quantised all-to-all + all-gather, top-k values + indices
-all-gathered, PowerSGD's two small all-reduces, ...; see `methods.py`).
-Collectives: those of the method, in place of the gradient all-reduce over dp, plus two scalar
-all-reduces (tokens and loss). Saves: bytes on the wire (int8 about 1/4 of fp32's, top-k
-k (index + value) per device, PowerSGD (n + m) r per matrix). Costs: the error of the method,
-and for the error-feedback methods (sign, topk, threshold, powersgd) a per-device fp32 residual
-the size of the gradients, carried in the train state and checkpointed (`TrainState.comm`).
+`_density`, `_threshold`, `_rank`). The step's gradients are computed in the data region
+(`strategies.dp.region`), manual over dp (and fsdp with `plan.grad_sync=step`), every other axis
+GSPMD's: each dp replica accumulates the gradients of its rows over its micro-batches, any
+reduction inside the replica (fsdp's reduce-scatter, tp's and sp's sums) done exactly by XLA, and
+weighs them by its share of the real tokens. The method then averages over dp, once per step,
+each device its own shards of every leaf (the fsdp and tp pieces it holds), flattened into one
+bucket: quantised all-to-all + all-gather, top-k values + indices all-gathered, PowerSGD's two
+small all-reduces per matrix shard, ... (`methods.py`). So an HSDP plan (dp across nodes, fsdp
+and tp inside) compresses exactly its cross-node reduction. The result is the whole mean on
+every dp rank; ZeRO-1/2/3 slice their shards of it (the method's all-gather stage is paid, not
+replaced by ZeRO's own gather).
 
-Runs on data-parallel plans over `dp` alone (ZeRO 0 or 1): the method flattens the gradients into
-one bucket, which would gather fsdp or tp shards.
+Collectives: those of the method over dp on a device's shards, in place of the gradient
+all-reduce over dp, plus one all-reduce of two scalars (tokens and loss). Saves: bytes on the wire
+(int8 about 1/4 of fp32's, top-k k (index + value) per device, PowerSGD (n + m) r per matrix).
+Costs: the error of the method, and for the error-feedback methods (sign, topk, threshold,
+powersgd) a per-device fp32 residual the size of the device's gradient shards, carried in the
+train state and checkpointed (`TrainState.comm`, one slice per device: a checkpoint restores it
+onto the same mesh; onto another, restart it).
 """
 from __future__ import annotations
 
 import math
 
-from jaxscale.strategies.common import Comm, Term, dp_only
+from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.compression import formulas
 from jaxscale.strategies.compression.formulas import STATEFUL, is_matrix
 from jaxscale.strategies.tables.params import leaves
@@ -36,7 +42,11 @@ def active(spec) -> bool:
 
 
 def _sizes(spec) -> list[tuple[int, ...]]:
-    return [leaf.shape for leaf in leaves(spec.model)]
+    """The shapes of a device's gradient shards, as the method sees them (the rules' split of
+    each leaf over fsdp, tp, ep and pp; dp never splits a gradient before the mean), but the
+    embedding's when `plan.sparse_embedding` exchanges it."""
+    return [leaf.local_shape(spec) for leaf in leaves(spec.model)
+            if not (spec.sparse_embedding and leaf.use == "embedding")]
 
 
 def params(spec) -> dict:
@@ -63,11 +73,6 @@ def problems(spec) -> list[str]:
         errs.append(f"plan.compression={spec.compression} compresses the gradient mean over "
                     f"mesh.dp, but mesh.dp=1: give the devices to dp, or set "
                     f"plan.compression=none")
-    errs += dp_only(spec, "plan.compression", "its one gradient bucket would gather their "
-                    "shards", "plan.compression=none")
-    if spec.zero >= 2:
-        errs.append(f"plan.compression returns the whole mean gradient on every device, not the "
-                    f"shards ZeRO-{spec.zero} keeps: use plan.zero=0 or 1")
     if spec.compression == "powersgd":
         top = max((min(s[-2:]) for s in _sizes(spec) if len(s) >= 2), default=0)
         if spec.compression_rank >= top:
@@ -86,8 +91,7 @@ def collectives(spec) -> list[Comm]:
         return []
     rows = formulas.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
                                 **params(spec))
-    return rows + [Comm("all-reduce", ("dp",), 4, 1, "token count (the loss denominator)",
-                        group=spec.deg("dp"))]
+    return rows
 
 
 def memory(spec) -> list[Term]:
@@ -109,62 +113,55 @@ def label(spec) -> list[str]:
 
 # ----------------------------------------------------------------------------- the step side
 def shape_step(spec, parts) -> None:
-    """The step: the gradient mean over dp computed by the method in shard_map (`wrap`), its
-    error-feedback state per device in `TrainState.comm`."""
+    """The step: the gradient mean over dp computed by the method (`mean`) in the data region
+    (`strategies.dp` sets the region), its error-feedback state per device in `TrainState.comm`."""
     if not active(spec):
         return
+    if not spec.sparse_embedding:       # else its mean calls this one for the other gradients
+        parts.set("mean", lambda ctx: mean(spec), by=NAME)
     if spec.compression in STATEFUL:
-        parts.set("state.comm", lambda params, optimizer: init_state(spec, params), by=NAME)
-    parts.set("reduce", wrap, by=NAME)
+        parts.set("state.comm", lambda weights, optimizer, where: init_state(spec, weights, where),
+                  by=NAME)
+        parts.set("comm_specs", comm_specs, by=NAME)
 
 
-def init_state(spec, abstract_params):
-    """The stacked per-device state ([dp, ...] leaves) of the plan's method, or None."""
+def mean(spec):
+    """(a device's gradient shards, its state, its rows' inputs) -> (their compressed mean over
+    dp, state): the data region's mean."""
+    from jaxscale.strategies.compression import methods
+    kw = params(spec)
+    return lambda grads, state, inputs: methods.compressed_mean(spec.compression, grads, state,
+                                                                ("dp",), **kw)
+
+
+def init_state(spec, weights, where):
+    """The per-device state of the plan's method, [devices, ...] leaves (one slice per device,
+    shaped by that device's gradient shards: `where` = the parameters' specs and axis sizes)."""
     if not active(spec) or spec.compression not in STATEFUL:
         return None
-    from jaxscale.strategies.compression import methods
-    n = spec.deg("dp")
-    return methods.stack(methods.init_state(spec.compression, abstract_params, n,
-                                            **params(spec)), n)
-
-
-def wrap(grads_fn, placement, mean=None):
-    """(params, batch, scale, state, *extra) -> (mean gradients, loss, tokens, stats, state):
-    `grads_fn` (`train.grads.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
-    parameters, passed on to it, replicated) run on each device's rows inside `jax.shard_map`
-    over dp, its token-mean gradients weighted by the device's share of the tokens, then averaged
-    by the plan's method, or by `mean(grads, state, local batch) -> (mean, state)` when given
-    (`strategies.sparse_embedding.mean`)."""
     import jax
-    from jax.sharding import PartitionSpec as P
 
-    from jaxscale.axes import suspended
     from jaxscale.strategies.compression import methods
-    spec, mesh = placement.spec, placement.mesh
-    n, kw = spec.deg("dp"), params(spec)
+    from jaxscale.strategies.dp import region
+    specs, sizes = where
+    if spec.sparse_embedding:
+        specs = {k: v for k, v in specs.items() if k != "embed"}
+        weights = {k: v for k, v in weights.items() if k != "embed"}
+    local = jax.tree.map(lambda sp, a: jax.ShapeDtypeStruct(
+        region.local_shape(a.shape, region.drop(sp, ("dp",)), sizes), a.dtype),
+        specs, weights, is_leaf=_is_spec)
+    state = methods.init_state(spec.compression, local, spec.deg("dp"), **params(spec))
+    return region.stack_local(state, spec.n_devices)
 
-    def body(params_, batch, scale, state, *extra):
-        with suspended():
-            grads, loss, ntok, stats = grads_fn(params_, batch, scale, *extra)
-        total = jax.lax.psum(ntok, "dp")
-        weight = ntok * n / jax.numpy.where(total > 0, total, 1.0)
-        local = None if state is None else jax.tree.map(lambda a: a[0], state)
-        weighted = jax.tree.map(lambda g: g * weight, grads)
-        if mean is None:
-            avg, local = methods.compressed_mean(spec.compression, weighted, local, ("dp",),
-                                                 **kw)
-        else:
-            avg, local = mean(weighted, local, batch)
-        loss = jax.lax.psum(loss * ntok, "dp") / jax.numpy.where(total > 0, total, 1.0)
-        stats = jax.tree.map(lambda s: jax.lax.pmean(s, "dp"), stats)
-        state = None if local is None else jax.tree.map(lambda a: a[None], local)
-        return avg, loss, total, stats, state
 
-    def run(params_, batch, scale, state, *extra):
-        st_spec = None if state is None else jax.tree.map(lambda _: P("dp"), state)
-        rows = jax.tree.map(lambda _: P("dp"), batch)
-        return jax.shard_map(body, mesh=mesh,
-                             in_specs=(P(), rows, P(), st_spec) + (P(),) * len(extra),
-                             out_specs=(P(), P(), P(), P(), st_spec), check_vma=False)(
-            params_, batch, scale, state, *extra)
-    return run
+def comm_specs(param_specs, comm, optimizer):
+    """Every leaf of the per-device state: one slice per device (`region.stacked_spec`)."""
+    import jax
+
+    from jaxscale.strategies.dp import region
+    return jax.tree.map(lambda _: region.stacked_spec(), comm)
+
+
+def _is_spec(x) -> bool:
+    from jax.sharding import PartitionSpec
+    return isinstance(x, PartitionSpec)

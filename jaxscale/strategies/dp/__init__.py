@@ -3,18 +3,37 @@
 Rules: `batch -> (dp, fsdp, ep)`, the data axes outer to inner (composed in `plan.rules`);
 parameters stay replicated over `dp`. Saves: activations split n ways. Costs: every replica holds
 the whole model state (16 bytes/param with mixed-precision Adam; ZeRO shards it, `zero.py`).
-Collectives per step: the gradient reduction over the data axes, 2(n-1)/n x gradient bytes on
-the wire per device for an all-reduce. As XLA compiles it, once per micro-batch (inside the
-accumulation loop): a matmul weight is reduce-scattered over `fsdp` at its fsdp-gathered size,
-then all-reduced over the remaining data axes at its shard size (HSDP); a weight whose gradient
-is a reduction or a scatter-add (RMSNorm scales, the embedding, a router) is all-reduced over
-all data axes at once at its gathered size (XLA reduces, then slices); ZeRO-2/3 nest dp inside
-fsdp's dimension, so their matmul gradients are reduced over (dp, fsdp) as one group. Context
-parallelism's `sp` shards hold partial gradients too: XLA reduces them over sp on their own, after
-the other data axes, at the size those left. Plus one
-4-byte all-reduce of the token count (the loss denominator); the other scalar partial sums (loss,
-gradient norm) travel in tuples the census counts as 0 bytes. XLA:CPU emits a reduce-scatter as
-all-reduce + slice (`cpu_kind`); GPUs emit reduce-scatter.
+
+Collectives per step: the gradient reduction over the data axes, 2(n-1)/n x gradient bytes on the
+wire per device for an all-reduce, and one 4-byte all-reduce of the token count (the loss
+denominator). When the gradients are reduced is `plan.grad_sync` (`sync_axes`):
+
+- `auto` (the default): once per step over the axes the parameters are replicated on (`dp`,
+  unless ZeRO-3 splits them there), once per micro-batch over the axes they are split on (fsdp's
+  reduce-scatter, into a sharded accumulator). HSDP thus reduce-scatters inside the node every
+  micro-batch and all-reduces across nodes once, as PyTorch DDP's `no_sync`, FSDP2's
+  `set_requires_gradient_sync` and Megatron's distributed optimizer do;
+- `step`: once per step over every data axis: fsdp's (and ZeRO-3's dp) parameters all-gathered
+  once at the start and held for the step, the accumulator whole over those axes (least
+  communication, most memory: the planner's `grad_sync` terms);
+- `microbatch`: every micro-batch over every axis (least memory: the accumulator is the reduced
+  gradient's shard).
+
+With one micro-batch they are the same program. A once-per-step reduction runs the step's
+gradients in the data region (`region.py`, `jax.shard_map` manual over those axes, the others
+GSPMD's) and reduces there once: a psum over `dp` of each device's shard, a psum_scatter over
+the axes a parameter is split on. Gradient compression and the sparse embedding exchange always
+reduce `dp` once per step, there, with their own mean.
+
+A per-micro-batch reduction is XLA's: a matmul weight is reduce-scattered over `fsdp` at its
+fsdp-gathered size, then all-reduced over the remaining data axes at its shard size (HSDP); a
+weight whose gradient is a reduction or a scatter-add (RMSNorm scales, the embedding, a router) is
+all-reduced over all data axes at once at its gathered size (XLA reduces, then slices); ZeRO-2/3
+nest dp inside fsdp's dimension, so their matmul gradients are reduced over (dp, fsdp) as one
+group. Context parallelism's `sp` shards hold partial gradients too: XLA reduces them over sp on
+their own, per micro-batch, at the size the other data axes left. The other scalar partial sums
+(loss, gradient norm) travel in tuples the census counts as 0 bytes. XLA:CPU emits a
+reduce-scatter as all-reduce + slice (`cpu_kind`); GPUs emit reduce-scatter.
 """
 from __future__ import annotations
 
@@ -23,22 +42,58 @@ from collections import defaultdict
 
 from jaxscale.axes import MESH_AXES
 from jaxscale.strategies import pp
-from jaxscale.strategies.common import Comm
+from jaxscale.strategies.common import Comm, Term
 
 NAME = "dp"
 AVAILABLE = True
+#: `plan.grad_sync`'s modes
+SYNC_MODES = ("auto", "step", "microbatch")
 
 
 def active(spec) -> bool:
     return spec.deg("dp") > 1
 
 
+def own_mean(spec) -> bool:
+    """A strategy computes the gradient mean over dp itself (compression, sparse embedding)."""
+    return spec.compression != "none" or bool(spec.sparse_embedding)
+
+
+def split_axes(spec) -> tuple[str, ...]:
+    """The data axes that split the parameters (fsdp; dp under ZeRO-3)."""
+    out = [a for a in ("dp", "fsdp") if spec.deg(a) > 1 and (a == "fsdp" or spec.zero >= 3)]
+    return tuple(out)
+
+
+def sync_axes(spec) -> tuple[str, ...]:
+    """The data axes the step's gradients are reduced over once per step, in the data region
+    (`region.make`); () when XLA reduces every micro-batch (or there is one micro-batch)."""
+    if spec.local_sgd != "none":
+        return ()           # its own step: the replicas average every H steps
+    data = [a for a in ("dp", "fsdp") if spec.deg(a) > 1]
+    mode = spec.grad_sync
+    axes: set[str] = set()
+    if max(1, spec.accumulate) > 1 and mode != "microbatch":
+        axes = set(data) if mode == "step" else set(data) - set(split_axes(spec))
+    if own_mean(spec) and spec.deg("dp") > 1:
+        axes.add("dp")
+    return tuple(a for a in MESH_AXES if a in axes)
+
+
 def problems(spec) -> list[str]:
+    errs = []
     if spec.batch % spec.data_degree:
         names = " x ".join(spec.data_axes)
-        return [f"data.batch_size={spec.batch} is not divisible by the data-parallel degree "
-                f"{names} = {spec.data_degree}: use a multiple of {spec.data_degree}"]
-    return []
+        errs.append(f"data.batch_size={spec.batch} is not divisible by the data-parallel degree "
+                    f"{names} = {spec.data_degree}: use a multiple of {spec.data_degree}")
+    if spec.grad_sync not in SYNC_MODES:
+        errs.append(f"plan.grad_sync={spec.grad_sync!r}: valid are {', '.join(SYNC_MODES)}")
+    elif spec.grad_sync == "microbatch" and own_mean(spec) and spec.accumulate > 1:
+        what = (f"plan.compression={spec.compression}" if spec.compression != "none"
+                else "plan.sparse_embedding")
+        errs.append(f"plan.grad_sync=microbatch with {what}: it reduces the step's accumulated "
+                    f"gradients over dp once, with its own mean; set plan.grad_sync=auto")
+    return errs
 
 
 def rules(spec, rules) -> None:
@@ -53,15 +108,37 @@ def _axes(spec, names) -> tuple[str, ...]:
     return tuple(a for a in MESH_AXES if a in set(names))
 
 
+def _entry(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def stored_spec(spec, leaf) -> tuple:
+    """The mesh axes of each dimension of a parameter as the state stores it (the rules, and
+    ZeRO-3's dp split on top), as a tuple of entries (no JAX needed)."""
+    from jaxscale.strategies import zero as zero_lib
+    table = spec.rules.table
+    entries, used = [], set()
+    for ax in leaf.axes:
+        got = tuple(m for m in table.get(ax, ()) if m not in used and spec.deg(m) > 1)
+        used.update(got)
+        entries.append(got or None)
+    if zero_lib.stage(spec) < 3:
+        return tuple(entries)
+    sizes = {a: spec.deg(a) for a in MESH_AXES}
+    return tuple(zero_lib.shard_entries(entries, leaf.shape, sizes, 3))
+
+
 def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
     from jaxscale.strategies.tables.params import leaves
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
     data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1]
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
-    if (not data and not seq) or spec.compression != "none" or spec.sparse_embedding \
-            or spec.local_sgd != "none":
-        return []           # compression/ / sparse_embedding.py / local_sgd/ reduce then
+    if (not data and not seq) or spec.local_sgd != "none":
+        return []           # local_sgd/ averages the replicas then
+    once = set(sync_axes(spec))
+    if own_mean(spec):
+        once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.stage_layers
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
@@ -79,15 +156,32 @@ def collectives(spec) -> list[Comm]:
         reps = int(L) * k if leaf.stacked else pp.outer_runs(spec, leaf)
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
+        inner = [a for a in replica if a not in once and not (a == "dp" and own_mean(spec))]
         gathered = leaf.local_size(spec, drop=("fsdp",)) * pb * (k if leaf.stacked else reps)
+        shard = leaf.local_size(spec) * pb
+        if once:                     # the data region: the accumulated fp32 gradient, once
+            stored = stored_spec(spec, leaf)
+            size = leaf.local_size(spec, drop=tuple(once)) * 4     # rules never split dp
+            left = [a for a in MESH_AXES if a in once]
+            for entry in stored:
+                over = [a for a in _entry(entry) if a in once]
+                if over:
+                    add("psum-scatter", over, size, 1, "gradients split over the axis: "
+                        "scattered back to their shards once per step (the data region)")
+                    size /= _group(spec, over)
+                    left = [a for a in left if a not in over]
+            if left:
+                add("all-reduce", left, size, 1, "gradients over the replicas, once per step "
+                    "(the data region)")
         if leaf.use in ("norm", "embedding", "router"):
-            if replica:
-                add("all-reduce", replica, gathered, reps,
+            if inner:
+                add("all-reduce", inner, gathered, reps,
                     "gradients of norm scales and the embedding, over all data axes at once")
-            if seq:
+            if seq and not (leaf.use == "norm" and spec.sequence_parallel
+                            and spec.deg("tp") > 1):     # tp.py: reduced over (sp, tp) at once
                 add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
-        rest, size = list(replica), gathered
+        rest, size = list(inner), gathered
         if zero >= 2 and "dp" in rest:
             group = [a for a in rest if a in ("dp", "fsdp")]
             add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "
@@ -95,29 +189,80 @@ def collectives(spec) -> list[Comm]:
             rest = [a for a in rest if a not in group]
             size /= _group(spec, group)
         elif "fsdp" in rest:
-            add("reduce-scatter", ["fsdp"], size, reps, "matmul weight gradients")
+            # a block weight of the collective matmul is gathered over fsdp in its region: the
+            # gather's transpose is a reduce-scatter there, which XLA:CPU emits as one
+            ring = spec.tp_overlap != "none" and leaf.stacked
+            add("psum-scatter" if ring else "reduce-scatter", ["fsdp"], size, reps,
+                "matmul weight gradients" + (" (the collective matmul's region)" if ring else ""))
             rest.remove("fsdp")
             size /= spec.deg("fsdp")
+        if rest and seq and "fsdp" in inner:
+            # after fsdp's reduce-scatter XLA reduces the other data axes and the sequence
+            # shards in one all-reduce
+            add("all-reduce", rest + ["sp"], size, reps, "matmul weight gradients over the "
+                "replicas and the sequence shards at once (after fsdp's reduce-scatter)")
+            continue
         if rest:
             add("all-reduce", rest, size, reps, "gradients over the replicas")
         if seq:
-            add("all-reduce", ["sp"], size, reps, "matmul weight gradients over the sequence "
-                "shards (XLA reduces sp on its own, after the other data axes)")
-    out = [Comm(kind, axes, nbytes, count, "; ".join(what[(kind, axes)]),
-                group=_group(spec, axes), cpu_kind="all-reduce" if kind == "reduce-scatter" else "",
-                overlap=True)
+            add("all-reduce", ["sp"], size if rest or "fsdp" in replica else shard * k,
+                reps, "matmul weight gradients over the sequence shards (XLA reduces sp on "
+                "its own, after the other data axes)")
+    # XLA:CPU emits GSPMD's reduce-scatters as all-reduce + slice, but the data region's own
+    # psum_scatter ("psum-scatter" above) as a reduce-scatter
+    out = [Comm("reduce-scatter" if kind == "psum-scatter" else kind, axes, nbytes, count,
+                "; ".join(what[(kind, axes)]), group=_group(spec, axes),
+                cpu_kind="all-reduce" if kind == "reduce-scatter" else "", overlap=True)
            for (kind, axes), (nbytes, count) in acc.items()]
-    scalar_axes = _axes(spec, data)      # the batch arrives whole along the sequence (sp.py)
+    # the batch arrives whole along the sequence (sp.py); the data region sums the count with
+    # the loss, one [2] fp32 array
+    region = sync_axes(spec)
+    scalar_axes = _axes(spec, region or data)
     if scalar_axes:
-        out.append(Comm("all-reduce", scalar_axes, 4, 1, "token count (the loss denominator)",
-                        group=_group(spec, scalar_axes)))
+        out.append(Comm("all-reduce", scalar_axes, 8 if region else 4, 1,
+                        "loss and token count" if region else "token count (the loss "
+                        "denominator)", group=_group(spec, scalar_axes)))
     return out
 
 
-def memory(spec) -> list:
-    """None of its own: the gradient buffer is the model's (`jaxscale.planner.memory`)."""
-    return []
+def memory(spec) -> list[Term]:
+    """The once-per-step mode over split axes (`plan.grad_sync=step`): the parameters gathered
+    over them for the whole step, and the fp32 accumulator whole over them (beyond the sharded
+    one `accumulate` counts)."""
+    split = [a for a in split_axes(spec) if a in sync_axes(spec)]
+    if not split or spec.accumulate <= 1:
+        return []
+    from jaxscale.strategies import zero as zero_lib
+    from jaxscale.strategies.tables.params import leaves
+    whole = sum(leaf.local_size(spec, drop=tuple(split)) for leaf in leaves(spec.model))
+    held = zero_lib.shards(spec).params
+    over, more = "x".join(split), whole - held
+    return [Term("backward", more * spec.param_itemsize,
+                 f"parameters gathered over {over} for the step (grad_sync=step)"),
+            Term("backward", 2 * more * 4,
+                 f"fp32 gradient accumulator whole over {over}, the loop's carry in and out "
+                 f"(grad_sync=step)"),
+            Term("backward", more * spec.param_itemsize,
+                 f"a micro-batch's gradients whole over {over} before they are added "
+                 f"(grad_sync=step)"),
+            Term("update", more * 4,
+                 f"fp32 gradient accumulator whole over {over} (grad_sync=step)")]
 
 
 def label(spec) -> list[str]:
-    return []
+    return [f"sync-{spec.grad_sync}"] if spec.grad_sync != "auto" else []
+
+
+def shape_step(spec, parts) -> None:
+    """The step: with a once-per-step reduction (`sync_axes`), the gradients computed in the data
+    region and reduced there (`region.make`), by the strategy's mean when one set `parts.mean`."""
+    axes = sync_axes(spec)
+    if not axes:
+        return
+
+    def reduce(grads_fn, ctx):
+        from jaxscale.strategies.dp import region
+        mean = parts.mean
+        return region.make(grads_fn, ctx, axes, mean=None if mean is None else mean(ctx),
+                           mean_axes=("dp",) if mean is not None else ())
+    parts.set("reduce", reduce, by=NAME)

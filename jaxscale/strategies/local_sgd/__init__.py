@@ -5,12 +5,15 @@
 (post_local: synchronous steps first), `plan.outer_lr`, `plan.outer_momentum` (0 and -1: the
 method's: local and post_local 1 and 0, SlowMo 1 and 0.5 heavy ball, DiLoCo 0.7 and 0.9 Nesterov).
 
-The step runs in `jax.shard_map` over dp: each device takes its rows of the batch, its own fp32
+The step runs in `jax.shard_map` manual over dp alone: each dp rank is a replica, an fsdp x tp
+(x sp x ep) group whose layout inside stays GSPMD's (`axes.manual`), so a replica may itself be
+sharded (DiLoCo islands that are FSDP/TP groups). Each takes its rows of the batch, its own fp32
 copy of the parameters and its own inner optimizer state (the plan's `optim`), and updates them
-with no collective on the way; every H-th step (a `lax.switch` branch) one all-reduce of the fp32
-parameter changes averages them, the outer optimizer moves the anchor and the replicas restart
-from it. post_local's warmup steps take a third branch, DP's step: the token-mean gradient
-all-reduced, the same update on every replica (AdamW's state included), no average needed.
+with no collective over dp on the way; every H-th step (a `lax.switch` branch) one all-reduce over
+dp of the fp32 parameter changes averages them (each device its shard), the outer optimizer moves
+the anchor and the replicas restart from it. post_local's warmup steps take a third branch, DP's
+step: the token-mean gradient all-reduced, the same update on every replica (AdamW's state
+included), no average needed.
 Collectives per step: that all-reduce, 4 Psi bytes once every H steps (on average 4 Psi / H),
 plus one small all-reduce of the step's metrics (loss x tokens, tokens, gradient norm, non-finite
 flag: 16 bytes) that no local update waits for; post_local's warmup moves DP's 4 Psi a step.
@@ -18,19 +21,21 @@ Saves: H times fewer bytes than DP's gradient all-reduce, and H times fewer late
 can be slow: across data centres for DiLoCo). Costs: the replicas drift apart between averages
 (convergence per step suffers as H grows; the outer momentum buys some back), and memory.
 Memory per device: the anchor (`TrainState.params`, and `master` with 16-bit policies: what
-eval, checkpoints and exports read), the replica (fp32, 4 Psi) and its inner optimizer state
-(`TrainState.comm`, [dp, ...] sharded over dp), and the outer momentum (4 Psi, replicated;
-`TrainState.opt_state`, empty for plain averaging). Between averages the anchor is the model of
+eval, checkpoints and exports read), the replica (fp32, 4 Psi / its replica's split) and its inner
+optimizer state (`TrainState.comm`, [dp, ...] over dp, each replica laid out as the parameters),
+and the outer momentum (4 Psi, the parameters' layout; `TrainState.opt_state`, empty for plain
+averaging). Between averages the anchor is the model of
 the last average; the reported loss is the replicas' token-mean loss on their own rows, and the
 gradient norm the mean of the replicas' norms. A replica whose step is not finite keeps its state
 (its own decision: no collective before a local update); loss scaling halves if any overflowed.
+With pruning, each replica is masked after its inner update and the anchor after each average.
 
-Runs on data-parallel plans over `dp` alone (ZeRO 0, no compression, no offload): each replica
-holds the whole model.
+Needs ZeRO 0: ZeRO would split over dp one optimizer state that the dp ranks no longer share
+(each replica has its own). Not with offload (the replicas update on the device).
 """
 from __future__ import annotations
 
-from jaxscale.strategies.common import Comm, Term, dp_only
+from jaxscale.strategies.common import Comm, Term
 
 NAME = "local_sgd"
 AVAILABLE = True
@@ -65,11 +70,12 @@ def problems(spec) -> list[str]:
     if spec.deg("dp") == 1:
         errs.append(f"plan.local_sgd={m} trains replicas over mesh.dp, but mesh.dp=1: give the "
                     f"devices to dp (e.g. mesh.dp=8), or set plan.local_sgd=none")
-    errs += dp_only(spec, "plan.local_sgd", "each replica holds the whole model",
-                    "plan.local_sgd=none")
+    if spec.deg("pp") > 1:
+        errs.append(f"plan.local_sgd={m} with mesh.pp={spec.deg('pp')}: set mesh.pp=1")
     if spec.zero >= 1:
-        errs.append(f"plan.local_sgd keeps each replica's optimizer state whole on its device, "
-                    f"not the shards ZeRO-{spec.zero} keeps: use plan.zero=0")
+        errs.append(f"plan.local_sgd gives each dp rank its own replica and inner optimizer "
+                    f"state; ZeRO-{spec.zero} would split one optimizer state over those ranks: "
+                    f"use plan.zero=0 (mesh.fsdp shards each replica instead)")
     if spec.compression != "none":
         errs.append(f"plan.local_sgd replaces the gradient all-reduce that plan.compression="
                     f"{spec.compression} compresses: set plan.compression=none (or "
@@ -77,11 +83,6 @@ def problems(spec) -> list[str]:
     if spec.offload != "none":
         errs.append(f"plan.local_sgd updates the replicas on the device: set plan.offload=none "
                     f"(not {spec.offload})")
-    off = {"prune": "none", "sparse_embedding": False, "qat": "none"}
-    steps = [f"plan.{k}={getattr(spec, k)}" for k, v in off.items() if getattr(spec, k) != v]
-    if steps:
-        errs.append(f"plan.local_sgd runs its own step, which does not apply {', '.join(steps)}: "
-                    f"turn it off, or set plan.local_sgd=none")
     if m == "post_local" and spec.local_warmup < 1:
         errs.append("plan.local_sgd=post_local needs plan.local_warmup >= 1 synchronous steps "
                     "before it goes local (or use plan.local_sgd=local)")
@@ -103,7 +104,9 @@ def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
     n, H = spec.deg("dp"), max(1, spec.local_steps)
-    return [Comm("all-reduce", ("dp",), 4 * spec.model.param_count() / H, 1,
+    from jaxscale.strategies.tables.params import leaves
+    size = sum(leaf.local_size(spec) for leaf in leaves(spec.model))     # a device's shard
+    return [Comm("all-reduce", ("dp",), 4 * size / H, 1,
                  f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of it)",
                  group=n),
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
@@ -117,7 +120,9 @@ def memory(spec) -> list[Term]:
     replica's inner optimizer state is the size of the plan's optimizer state (counted there)."""
     if not active(spec):
         return []
-    size, (_, mom, _) = spec.model.param_count(), hparams(spec)
+    from jaxscale.strategies.tables.params import leaves
+    size = sum(leaf.local_size(spec) for leaf in leaves(spec.model))
+    _, mom, _ = hparams(spec)
     out = [Term("params", 4 * size, "this device's replica of the parameters (fp32)")]
     if mom > 0:
         out.append(Term("optimizer", 4 * size, "outer momentum (fp32)"))
@@ -143,9 +148,22 @@ def shape_step(spec, parts) -> None:
     if not active(spec):
         return
     parts.set("train_step", lambda ctx: make_train_step(spec, ctx), by=NAME)
-    parts.set("state.comm", lambda params, optimizer: init_state(spec, params, optimizer),
+    parts.set("state.comm", lambda params, optimizer, where: init_state(spec, params, optimizer),
               by=NAME)
+    parts.set("comm_specs", comm_specs, by=NAME)
     parts.set("state_optimizer", lambda optimizer: outer_optimizer(spec), by=NAME)
+
+
+def comm_specs(param_specs, comm, optimizer):
+    """The replicas and their inner optimizer states: [dp, ...], each replica laid out as the
+    parameters (its moments as the parameters they update, its counters whole)."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+    rep = jax.tree.map(lambda sp: P("dp", *sp), param_specs, is_leaf=lambda x: isinstance(x, P))
+    opt = optax.tree_map_params(optimizer, lambda _, sp: sp, comm["opt_state"], rep,
+                                transform_non_params=lambda _: P("dp"))
+    return {"params": rep, "opt_state": opt}
 
 
 def outer_optimizer(spec):
@@ -178,20 +196,27 @@ def make_train_step(spec, ctx):
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale.axes import suspended, use_rules
-    from jaxscale.strategies.common import keep_if_finite
+    from jaxscale.axes import manual, use_rules
+    from jaxscale.strategies.common import PROBE, keep_if_finite
     from jaxscale.strategies.local_sgd import averaging
     placement, policy, optimizer = ctx.placement, ctx.policy, ctx.optimizer
     mesh, grads_fn, stat_names = placement.mesh, ctx.grads_fn, ctx.stat_names
     n, H, warmup = spec.deg("dp"), spec.local_steps, spec.local_warmup
-    outer = outer_optimizer(spec)
+    outer, probe = outer_optimizer(spec), ctx.parts.probe
+    after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
 
-    def body(step, anchor, outer_state, comm, batch, scale):
+    def body(step, anchor, outer_state, comm, batch, scale, *probed):
         """One device: its replica's inner step, then (every H-th step) the average; in
-        post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`)."""
+        post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`).
+        `probed`: a probe's inputs (fp8 QAT's scales); what the replicas saw is combined over
+        dp (the largest amax)."""
         rep, opt = jax.tree.map(lambda a: a[0], (comm["params"], comm["opt_state"]))
-        with suspended():
-            grads, loss, ntok, stats = grads_fn(policy.working(rep), batch, scale)
+        with manual(("dp",)):
+            grads, loss, ntok, stats = grads_fn(policy.working(rep), batch, scale,
+                                                **({"probe": probed[0]} if probed else {}))
+        seen = stats.pop(PROBE, None)
+        if seen is not None:
+            seen = jax.tree.map(lambda a: jax.lax.pmax(a, "dp"), seen)
         norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         # the metrics, for logging and loss scaling: no local update waits for them
@@ -200,8 +225,11 @@ def make_train_step(spec, ctx):
 
         def update(grads, norm, finite, rep, opt):
             updates, new_opt = optimizer.update(grads, opt, rep, grad_norm=norm)
-            return (keep_if_finite(finite, optax.apply_updates(rep, updates), rep),
-                    keep_if_finite(finite, new_opt, opt))
+            new = keep_if_finite(finite, optax.apply_updates(rep, updates), rep)
+            if after is not None:
+                with manual(("dp",)):
+                    new = after(new, step + finite)
+            return new, keep_if_finite(finite, new_opt, opt)
 
         def local(args):                        # 0: the replica's own step
             anchor, outer_state, rep, opt = args
@@ -210,6 +238,9 @@ def make_train_step(spec, ctx):
         def local_then_average(args):           # 1: and the average into the anchor
             anchor, outer_state, rep, opt = local(args)
             new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n)
+            if after is not None:               # the average of masked replicas, masked
+                with manual(("dp",)):
+                    new = after(new, step + 1)
             return new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt
 
         def synchronous(args):                  # 2: DP's step: the token-mean gradient of all
@@ -229,7 +260,7 @@ def make_train_step(spec, ctx):
         anchor, outer_state, rep, opt = jax.lax.switch(branch, branches,
                                                        (anchor, outer_state, rep, opt))
         comm = jax.tree.map(lambda a: a[None], {"params": rep, "opt_state": opt})
-        return anchor, outer_state, comm, sums
+        return (anchor, outer_state, comm, sums) + ((seen,) if probed else ())
 
     def train_step(state, batch):
         with use_rules(mesh, placement.rules):
@@ -237,21 +268,27 @@ def make_train_step(spec, ctx):
             anchor = state.master if policy.master else state.params
             rows = jax.tree.map(lambda _: P("dp"), batch)
             rep_specs = jax.tree.map(lambda _: P("dp"), state.comm)
+            probed = () if probe is None else (probe.read(getattr(state, probe.field)),)
 
             def same(tree):
                 return jax.tree.map(lambda _: P(), tree)
-            anchor, outer_state, comm, sums = jax.shard_map(
-                body, mesh=mesh, check_vma=False,
-                in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P()),
-                out_specs=(same(anchor), same(state.opt_state), rep_specs, P()))(
+            out = jax.shard_map(
+                body, mesh=mesh, axis_names={"dp"}, check_vma=False,
+                in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P())
+                + tuple(same(p) for p in probed),
+                out_specs=(same(anchor), same(state.opt_state), rep_specs, P())
+                + tuple(same(p) for p in probed))(
                 state.step, anchor, state.opt_state, state.comm, batch,
-                jnp.asarray(scale, jnp.float32))
+                jnp.asarray(scale, jnp.float32), *probed)
+            anchor, outer_state, comm, sums = out[:4]
         tokens = sums[1]
         finite = sums[3] == 0
+        changes = {} if probe is None else {
+            probe.field: probe.write(getattr(state, probe.field), out[4], finite)}
         new_state = dataclasses.replace(
             state, step=state.step + 1, params=policy.working(anchor), opt_state=outer_state,
             master=anchor if policy.master else None,
-            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm)
+            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm, **changes)
         metrics = {"loss": sums[0] / jnp.where(tokens > 0, tokens, 1.0), "grad_norm": sums[2] / n,
                    "lr": ctx.learning_rate(state.step), "tokens": tokens,
                    "skipped": (~finite).astype(jnp.int32)}

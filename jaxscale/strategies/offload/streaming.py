@@ -178,14 +178,18 @@ def streamed(ctx):
     """The optimizer update of an offloaded state (`StepParts.update`'s contract: (grads, norm,
     finite, state, device params) -> (params, optimizer state, master)), by `streamed_update`:
     one layer's offloaded state on the device at a time, the working parameters written in place
-    where they live; a skipped step leaves every piece as it was."""
+    where they live; a skipped step leaves every piece as it was; `parts.after_update` (pruning)
+    applied to each piece."""
     lay, host_sh, policy = ctx.lay, ctx.host_sh, ctx.policy
     master = lay.master
+    after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
 
     def run(grads, norm, finite, state, params):
         def piece(grads, opt_state, master_, params):
             old = (opt_state, master_ if master else params)
             new_opt, target = keep_if_finite(finite, ctx.apply_update((grads, norm), old), old)
+            if after is not None:       # this piece's weights, masked as they pass through
+                target = after(target, state.step + finite)
             return policy.working(target), new_opt, target if master else None
 
         opt_index = optax.tree_map_params(ctx.optimizer, lambda _, j: j, state.opt_state,

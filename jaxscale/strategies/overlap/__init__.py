@@ -116,13 +116,6 @@ def problems(spec) -> list[str]:
         errs.append(f"{opt} runs its matmuls in a shard_map over the whole mesh, which the "
                     f"pipeline's shard_map over pp cannot hold: set mesh.pp=1 or "
                     f"plan.tp_overlap=none")
-    if spec.deg("fsdp") > 1:
-        errs.append(f"{opt} with mesh.fsdp={spec.deg('fsdp')}: the collective matmul takes "
-                    f"its weights split over tp only, so FSDP-sharded weights would have to be "
-                    f"gathered inside its shard_map and their gradients reduce-scattered there, "
-                    f"not by GSPMD as fsdp's formulas and the ZeRO layouts assume (not "
-                    f"implemented); put the data-parallel degree on mesh.dp, or set "
-                    f"plan.tp_overlap=none")
     if spec.moe:
         errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
                     f"not through the collective matmul: set model.moe_experts=0 or "

@@ -159,7 +159,10 @@ def _seq_dim(names, logical: str, partition, site: str, what: str) -> int:
 
 def project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
     """`project` for the block's column- and row-parallel sites as collective matmuls in a
-    `shard_map` over the whole mesh; the other sites (the LM head) as GSPMD's einsum."""
+    `shard_map` over the whole (remaining) mesh; the other sites (the LM head) as GSPMD's
+    einsum. A weight split over the data axes too (fsdp, ZeRO-3's dp) is all-gathered over them
+    first, inside, and its gradient reduce-scattered back (the all-gather's transpose); over the
+    axes it is whole on, its gradient is summed once, at the region's edge."""
     if site not in COLUMN + ROW:
         return plain(eq, x, w, **kw)
     xn, wn, on = names
@@ -170,29 +173,30 @@ def project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
     else:
         out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
         x_seq = xn.index("seq")
-    if any(ax not in (None, "tp") for ax in w_spec):
-        raise ValueError(f"collective matmul at {site}: the weight {wn} is sharded {w_spec}; "
-                         f"only tp may split it (plan.tp_overlap refuses mesh.fsdp > 1)")
     fn = allgather_matmul if site in COLUMN else matmul_reduce_scatter
-
-    # the weight is the same on every data-parallel device: mark it varying there once, so its
-    # gradient is summed over those axes once (not once per partial matmul of the ring)
-    spread = tuple(a for a in mesh.axis_names if a != "tp" and any(
-        a == ax or (isinstance(ax, tuple) and a in ax) for ax in x_spec))
+    gathered = [(d, tuple(a for a in _axes(e) if a != "tp"))
+                for d, e in enumerate(w_spec) if any(a != "tp" for a in _axes(e))]
+    if any(_axes(w_spec[d])[-1:] != ("tp",) and "tp" in _axes(w_spec[d]) for d, _ in gathered):
+        raise ValueError(f"collective matmul at {site}: the weight {wn} is split {w_spec}, tp "
+                         f"not innermost on its dimension")
 
     def body(x_local, w_local):
-        if spread:
-            w_local = lax.pcast(w_local, spread, to="varying")
+        for d, axes in gathered:        # fsdp's shards of the weight, gathered here
+            w_local = lax.all_gather(w_local, axes, axis=d, tiled=True)
         with suspended():       # per-device shards: no global sharding rules inside
             return fn(eq, x_local, w_local, "tp", x_seq=x_seq, out_seq=out_seq,
                       bidirectional=bidirectional, **kw)
 
     # nothing inside is kept for the backward: it re-runs the input's ring for the weight
-    # gradient (as GSPMD re-gathers it), so the chunks, and the weight marked varying, are
-    # never stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical
-    # and XLA keeps one of each, forward and replayed
+    # gradient (as GSPMD re-gathers it), so the chunks, and the gathered weight, are never
+    # stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical and
+    # XLA keeps one of each, forward and replayed
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(*w_spec)),
-                        out_specs=P(*o_spec))
+                        out_specs=P(*o_spec), check_vma=False)
     return run(x, w.astype(x.dtype))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())

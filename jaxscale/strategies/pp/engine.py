@@ -25,20 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import constrain
+from jaxscale.axes import constrain, current, manual
+from jaxscale.models.layers import token_loss
 from jaxscale.strategies import accumulate
 from jaxscale.strategies.pp.program import FIELDS, _is_layers, program_for
-
-
-def _token_loss(logits_BTV, targets_BT, mask_BT):
-    """`train.grads.token_loss` with the label's logit picked by a masked sum, not a gather: XLA's
-    SPMD partitioner fails on that gather inside a shard_map manual over pp when the batch and the
-    vocabulary are sharded over two other axes (dp or fsdp, and tp)."""
-    logits = logits_BTV.astype(jnp.float32)
-    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets_BT[..., None]
-    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    mask = mask_BT.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
 
 
 def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = False):
@@ -77,7 +67,7 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
                                           block_wrapper)[0]
 
         def head_loss(out, y, mb):
-            total, n = _token_loss(mod(layers, out).logits(y), mb["targets"], mb["mask"])
+            total, n = token_loss(mod(layers, out).logits(y), mb["targets"], mb["mask"])
             return total * factor, (total, n)
 
         # the residual structure of a stage's vjp (the same for every stage and micro-batch)
@@ -96,7 +86,7 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
         x_shape = jax.eval_shape(lambda mb: embed(outer, mb), mb0)
         res_shapes = [] if forward_only else jax.eval_shape(stage_vjp, chunk(0), x_shape, mb0)[1]
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
-        along = placement.rules.spec(("batch", "norm_seq", "embed"))     # on the shard_map's mesh
+        along = current(mesh, placement.rules)[1].spec(("batch", "norm_seq", "embed"))
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
@@ -187,9 +177,15 @@ def make_grads_fn(model, placement, block_wrapper=None, forward_only: bool = Fal
             return loss, tokens
         return {**jax.lax.psum(acc["outer"], "pp"), "layers": acc["layers"]}, loss, tokens
 
+    def manual_body(*args):
+        with manual(("pp",)):      # the stage's layout: the rules less pp, on this region's mesh
+            return body(*args)
+
     def run(params, batch, scale):
         out_specs = (P(), P()) if forward_only else (param_spec, P(), P())
-        return jax.shard_map(body, mesh=mesh, in_specs=(param_spec, {k: P() for k in batch}, P()),
+        here = current(mesh, placement.rules)[0]     # a data region's mesh, inside one
+        return jax.shard_map(manual_body, mesh=here,
+                             in_specs=(param_spec, {k: P() for k in batch}, P()),
                              out_specs=out_specs, axis_names={"pp"}, check_vma=False)(
             params, batch, jnp.asarray(scale, jnp.float32))
 

@@ -30,6 +30,9 @@ block weight for the sort (an all-gather of its shards over the axes that split 
 below: the extra communication of per-tensor magnitude pruning under fsdp / tp / ZeRO). N:M
 groups never straddle shards: `problems` requires the group axis's per-device size to be a
 multiple of M, so N:M masks are shard-local and add no collective.
+With offload, the streamed update masks each layer as it passes through the device; with local
+SGD, each replica is masked after its inner update and the anchor after each average (the
+average of masked replicas is not itself sparse).
 Memory: the sort's temporaries in the update phase, about 12 bytes per element of the largest
 gathered block weight (|w|, its ranks, the mask).
 """
@@ -87,12 +90,6 @@ def problems(spec) -> list[str]:
     if spec.prune_end and spec.prune_end <= spec.prune_start:
         errs.append(f"plan.prune_end={spec.prune_end} must be after plan.prune_start="
                     f"{spec.prune_start} (or 0: the target sparsity from prune_start on)")
-    if spec.offload != "none":
-        errs.append(f"plan.prune with plan.offload={spec.offload}: the streamed (offloaded) "
-                    f"update sees one layer at a time and is not pruned; set plan.offload=none")
-    if spec.local_sgd != "none":
-        errs.append(f"plan.prune with plan.local_sgd={spec.local_sgd}: its step has its own "
-                    f"update, which is not pruned; choose one")
     if kind[0] == "nm":
         _, n, m = kind
         for leaf in pruned_leaves(spec.model):
@@ -133,6 +130,8 @@ def collectives(spec) -> list[Comm]:
     N:M (shard-local groups) and unsplit matrices add nothing."""
     if not active(spec) or parse(spec.prune)[0] != "magnitude":
         return []
+    # local SGD masks each replica after its inner update, and the anchor after each average
+    per_step = 1 + (1 / max(1, spec.local_steps) if spec.local_sgd != "none" else 0)
     item = 4 if spec.mixed else spec.wire_param_itemsize
     out: dict[tuple, list] = {}
     for leaf in pruned_leaves(spec.model):
@@ -144,7 +143,7 @@ def collectives(spec) -> list[Comm]:
                          d / math.prod(spec.deg(a) for a in _entry_axes(e))
                          for d, n, e in zip(leaf.shape, leaf.axes, entries))
         row = out.setdefault(axes, [0.0, 0])
-        row[0] += item * size
+        row[0] += item * size * per_step
         row[1] += 1
     return [Comm("all-gather", axes, b, c, "magnitude pruning: each split block weight gathered "
                  "for its per-matrix sort", group=math.prod(spec.deg(a) for a in axes))
@@ -239,29 +238,38 @@ def pruner(spec, logical, mesh=None, target_specs=None):
     """(params, step) -> params with every pruned weight masked for `step` updates done: the
     step's hook after the optimizer update. With `mesh` and `target_specs` (the mesh specs of
     the pruned tree), each weight is masked inside `jax.shard_map` on its own shards
-    (`_local_mask`), so that the communication is exactly `collectives(spec)`."""
+    (`_local_mask`), so that the communication is exactly `collectives(spec)`. `params` may be
+    a piece of the tree (`None` where a leaf is not in it) whose stacked weights are one layer
+    (offload's streamed update)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
+
+    from jaxscale.axes import current
     kind = parse(spec.prune)
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
 
     def prune(params, step):
         s = target_sparsity(spec, step) if kind[0] == "magnitude" else jnp.float32(0)
         on = jnp.asarray(step) >= spec.prune_start
+        # the mesh of the code being traced: inside a region manual over some axes (local SGD's
+        # replicas over dp), the weights are that region's, split over the others
+        here = current(mesh, None)[0] if mesh is not None else None
+        sizes = dict(here.shape) if here is not None else {}
 
         def one(path, names, w, ps):
             names = tuple(names)
-            if not is_pruned(path, names):
+            if w is None or not is_pruned(path, names):
                 return w
-            if mesh is None:
+            entries = tuple(ps) + (None,) * (len(names) - len(ps))
+            if w.ndim == len(names) - 1:        # one layer of a stacked weight (offload's stream)
+                names, entries = names[1:], entries[1:]
+            if here is None:
                 keep = mask(w, names, kind, s)
             else:
-                entries = tuple(ps) + (None,) * (w.ndim - len(ps))
                 axes = _own_split(names, entries, sizes)
                 keep = jax.shard_map(
                     lambda w_, s_: _local_mask(w_, names, kind, s_, entries, axes, sizes),
-                    mesh=mesh, in_specs=(P(*entries), P()), out_specs=P(*entries),
+                    mesh=here, in_specs=(P(*entries), P()), out_specs=P(*entries),
                     check_vma=False)(w, s)
             if kind[0] == "nm":
                 keep = keep | ~on

@@ -36,10 +36,10 @@ XLA quantises each weight shard before the forward all-gather, so the block weig
 8 bits (int8: forward only, -32% of the tiny model's gather bytes; fp8: both passes, widened to
 f16 by XLA:CPU, -43%); `fsdp`'s formula does not model this (docs/quantization.md).
 
-Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation and
-any precision; not with pipeline stages, gradient compression or local SGD (their steps run the
-model inside `jax.shard_map`, where the plan's projection is off), nor with mixtures of experts
-(the experts' matmuls do not go through the projection hook).
+Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation,
+gradient compression, the sparse embedding exchange, local SGD (inside their data regions the
+rules, and so the projection, stay on: `axes.manual`) and any precision; not with pipeline stages,
+nor with mixtures of experts (the experts' matmuls do not go through the projection hook).
 """
 from __future__ import annotations
 
@@ -80,13 +80,6 @@ def problems(spec) -> list[str]:
         errs.append(f"{q} does not run with pipeline stages (mesh.pp={spec.deg('pp')}): the "
                     f"pipeline engine runs the layers inside shard_map, where the plan's "
                     f"projection is off; set mesh.pp=1 or plan.qat=none")
-    for field, off in (("compression", "none"), ("local_sgd", "none"),
-                       ("sparse_embedding", False)):
-        v = getattr(spec, field)
-        if v != off:
-            errs.append(f"{q} does not run with plan.{field}={v}: that step runs the model "
-                        f"inside shard_map, where the plan's projection is off; set "
-                        f"plan.{field}={off} or plan.qat=none")
     if spec.moe:
         errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
                     f"{spec.model.moe_experts} do not go through the projection hook: use a "
@@ -158,7 +151,7 @@ def shape_step(spec, parts) -> None:
 
     from jaxscale.strategies.common import Probe
     from jaxscale.strategies.qat import numerics
-    parts.set("state.quant", lambda params, optimizer: init_state(spec), by=NAME)
+    parts.set("state.quant", lambda params, optimizer, where: init_state(spec), by=NAME)
     parts.set("probe", Probe("quant", read=numerics.scales, wrap=numerics.probing,
                              combine=jnp.maximum, write=numerics.update_history), by=NAME)
 

@@ -34,6 +34,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxscale.axes import manual_axes
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 #: the block sites in the order of `jaxscale.hooks.projection.SITES` (the head stays high precision)
 SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -130,7 +132,11 @@ int8_matmul.defvjp(_int8_fwd, _int8_bwd)
 
 # ----------------------------------------------------------------------------- fp8
 def _amax(t):
-    return jnp.max(jnp.abs(t.astype(jnp.float32)))
+    """The per-tensor amax: over the whole tensor, also where it is traced in pieces, manual
+    over mesh axes (a data region's rows, a tensor-parallel group's weight shards)."""
+    amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
+    over = manual_axes()
+    return jax.lax.pmax(amax, over) if over else amax
 
 
 def _scale(given, amax, fmax):

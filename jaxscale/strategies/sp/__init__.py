@@ -11,7 +11,8 @@ names the plan's in its rules. The ring's zig-zag layout is applied to the batch
 Megatron sequence parallelism (`plan.sequence_parallel`, arXiv 2205.05198) saves the residual
 stream's activation memory t-fold: the norm and residual regions are split on `seq` over tp
 (`jaxscale.strategies.tables.activations.split`), at no extra cost in bytes: each TP all-reduce
-becomes a reduce-scatter plus an all-gather collective of the same total (`tp.py` counts them).
+becomes a reduce-scatter plus an all-gather collective of the same total (`strategies/tp`
+counts them).
 
 Context parallelism over `sp` (`plan.context`) saves activations sp-fold: every token-indexed
 activation is split sp ways (the attention scores keep their full key length). Its cost is
@@ -22,12 +23,13 @@ collectives on the critical path, per layer and micro-batch:
   the output, forward and backward (per-link volume 4Nh/P); sp must divide the kv heads per tp
   rank;
 - `allgather`: K/V all-gathered forward, their gradients reduce-scattered backward.
-The weight gradients are reduced over sp as over a data axis (`dp.py`).
+The weight gradients are reduced over sp as over a data axis (`strategies/dp`).
 """
 from __future__ import annotations
 
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.remat import actions
 
 NAME = "sp"
 AVAILABLE = True
@@ -119,19 +121,24 @@ def collectives(spec) -> list[Comm]:
     tokens = spec.micro_batch * spec.local_seq
     beta = spec.compute_itemsize
     kv = 2 * tokens * m.n_kv_heads * m.hd / t * beta          # the local K and V blocks
+    # a remat policy that recomputes the attention replays its forward collectives
+    replay = 1 if actions(spec.remat)["attn_out"] == "remat" else 0
+    again = " (and the forward's again for the rematerialised attention)" if replay else ""
     if spec.context == "ring":     # K/V forward and again backward; the dK/dV travel in fp32
         hops = (sp - 1) * L * k
-        return [Comm("collective-permute", ("sp",), kv * 2 * hops + kv / beta * 4 * hops,
-                     int(3 * hops), "ring attention: K/V blocks forward, K/V and fp32 dK/dV "
-                     "backward", group=sp)]
+        return [Comm("collective-permute", ("sp",), kv * (2 + replay) * hops
+                     + kv / beta * 4 * hops, int((3 + replay) * hops),
+                     "ring attention: K/V blocks forward, K/V and fp32 dK/dV backward" + again,
+                     group=sp)]
     if spec.context == "allgather":
-        return [Comm("all-gather", ("sp",), kv * sp * L * k, int(L * k),
-                     "K/V gathered over the sequence, forward", group=sp),
+        return [Comm("all-gather", ("sp",), kv * sp * L * k * (1 + replay),
+                     int(L * k * (1 + replay)), "K/V gathered over the sequence, forward" + again,
+                     group=sp),
                 Comm("reduce-scatter", ("sp",), kv * sp * L * k, int(L * k),
                      "dK/dV reduced to their sequence shards, backward", group=sp)]
     qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) * m.hd / t * beta
-    return [Comm("all-to-all", ("sp",), 2 * qkvo * L * k, int(8 * L * k),
-                 "Ulysses: q, k, v, out forward and backward", group=sp)]
+    return [Comm("all-to-all", ("sp",), (2 + replay) * qkvo * L * k, int((8 + 4 * replay) * L * k),
+                 "Ulysses: q, k, v, out forward and backward" + again, group=sp)]
 
 
 def memory(spec) -> list[Term]:

@@ -44,19 +44,24 @@ class Leaf:
     def local_size(self, spec, drop: tuple[str, ...] = ()) -> float:
         """Elements per device under `spec`'s rules: each dimension divided by the degrees of
         the mesh axes its logical axis maps to (`drop`: mesh axes treated as gathered)."""
-        table = spec.rules.table
-        n = 1.0
+        return float(math.prod(self.local_shape(spec, drop)))
+
+    def local_shape(self, spec, drop: tuple[str, ...] = ()) -> tuple[int, ...]:
+        """The device's shard of this leaf under `spec`'s rules (`drop`: mesh axes treated as
+        gathered); a mesh axis already used by an earlier dimension does not split again."""
+        table, used, out = spec.rules.table, set(), []
         for dim, ax in zip(self.shape, self.axes):
-            split = math.prod(spec.deg(m) for m in table.get(ax, ()) if m not in drop)
-            n *= math.ceil(dim / split)
-        return n
+            axes = [m for m in table.get(ax, ()) if m not in used]
+            used.update(axes)
+            out.append(math.ceil(dim / math.prod(spec.deg(m) for m in axes if m not in drop)))
+        return tuple(out)
 
 
 def leaves(model) -> list[Leaf]:
     """Every parameter of `jaxscale.models.llama.Llama(model)` (stacked over `layers` when
     scanned)."""
     d, f, hd, H, K, V = (model.dim, model.ffn_dim, model.hd, model.n_heads, model.n_kv_heads,
-                         model.vocab_size)
+                         model.padded_vocab)
     attn = [
         ("attn_norm/scale", (d,), ("embed",), "norm"),
         ("attn/wq", (d, H, hd), ("embed", "heads", "head_dim"), "dot"),
@@ -90,7 +95,8 @@ def leaves(model) -> list[Leaf]:
 
 
 def count(model) -> int:
-    """Total parameters (equals `ModelConfig.param_count()`)."""
+    """Total parameters as stored (equals `ModelConfig.param_count()` unless the vocabulary is
+    padded: these count the padding rows too)."""
     return sum(leaf.size for leaf in leaves(model))
 
 

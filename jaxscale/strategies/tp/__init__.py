@@ -7,17 +7,20 @@ the logits). Saves: weights and the head/MLP activations split t ways; the [b, s
 stream stays replicated (Megatron sequence parallelism, `plan.sequence_parallel`, splits it).
 Costs: activation collectives on the critical path. Per layer and micro-batch, with
 bsh = micro-batch x sequence x dim x compute bytes: 2 all-reduces of bsh in the forward (after
-the row-parallel matmuls) and, as XLA compiles jaxscale's block, 5 in the backward: the input
-gradients of q, k, v, gate and up are reduced separately because the model keeps them as
-separate weights (Megatron's minimum is 2, with fused QKV and gate-up weights; `Comm.minimum`).
-A rematerialised forward repeats the attention-output all-reduce unless it kept `o_proj` (the
-MLP-down output only feeds the residual, so XLA never recomputes it). Plus the vocabulary-
-parallel embedding (forward) and head input gradient (backward), and 3 fp32 [b, s] softmax
-statistics (max, sum, target logit). Sequence parallelism turns each all-reduce into a
-reduce-scatter + all-gather pair of the same total bytes.
+the row-parallel matmuls) and 2 in the backward, Megatron's minimum: the column-parallel
+matmuls that read one input (q, k, v; gate, up) run as a group in one region manual over tp
+(`columns.py`, the model's `columns` seam), whose backward sums their input gradients before
+its one reduction; GSPMD alone reduces each of the 5 separately, as the model keeps separate
+weights. A rematerialised forward repeats the attention-output all-reduce unless it kept
+`o_proj` (the MLP-down output only feeds the residual, so XLA never recomputes it). Plus the
+vocabulary-parallel embedding (forward) and head input gradient (backward), and 3 fp32 [b, s]
+softmax statistics (max, sum, target logit). Sequence parallelism turns each all-reduce into a
+reduce-scatter + all-gather pair of the same total bytes (the groups' input gradients: their
+region's own reduce-scatter, which XLA:CPU emits as one too).
 """
 from __future__ import annotations
 
+from jaxscale.hooks import register
 from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.remat import actions
@@ -30,7 +33,7 @@ SHARDED = ("heads", "kv_heads", "mlp", "vocab")
 #: row-parallel ones (contract split features, scatter back to the residual stream)
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 ROW = ("wo", "w_down")
-_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim")        # the vocabulary is padded (`plan.Spec`)
 
 
 def active(spec) -> bool:
@@ -51,6 +54,14 @@ def rules(spec, rules) -> None:
     if active(spec):
         for name in SHARDED:
             rules.add(name, "tp", by="tp")
+        if spec.tp_overlap == "none":       # collective matmul runs the column sites itself
+            rules.set_seam("columns", "tp_columns", by="tp")
+
+
+@register("columns", "tp_columns")
+def _columns(eq, x, ws, sites, names, mesh, rules):
+    from jaxscale.strategies.tp.columns import columns
+    return columns(eq, x, ws, sites, names, mesh, rules)
 
 
 def collectives(spec) -> list[Comm]:
@@ -60,32 +71,42 @@ def collectives(spec) -> list[Comm]:
     L, k = spec.stage_layers, max(1, spec.accumulate)
     act = stream_bytes(spec)
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
-    fwd, bwd = (2 + redo) * L * k, 5 * L * k
+    grouped = spec.tp_overlap == "none"      # the column groups (`columns.py`); else the rings
+    fwd, bwd = (2 + redo) * L * k, (2 if grouped else 5) * L * k
     ko = pp.outer_runs(spec)             # embedding and head: on their pipeline stage
     stats = 3 * spec.micro_batch * spec.local_seq * 4 * ko
+    extra, moe_count = _expert_extra(spec)     # MoE layers: their MLP's on the slot buffer
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
         rs = dict(group=t, cpu_kind="all-reduce")
-        rows = [Comm("reduce-scatter", ("tp",), (fwd + bwd) * act, int(fwd + bwd),
-                     f"block outputs ({2 + redo} forward) and input gradients of q, k, v, gate, "
-                     f"up (5 backward) per layer", **rs),
-                Comm("all-gather", ("tp",), 6 * L * k * act, 6 * L * k,
-                     "norm outputs into the attention and MLP (2 forward), their output "
-                     "gradients and the norm outputs again for the weight gradients (4 backward) "
-                     "per layer (a rematerialised forward's gathers take the place of the "
-                     "latter)", group=t),
-                Comm("all-gather", ("tp",), 2 * act * ko, 2 * ko,
-                     "final norm output into the LM head, forward and backward", group=t),
-                Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
-                     "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
-        if spec.tp_overlap != "none":  # collective matmul: the block's gathers and scatters
-            rows = rows[2:]             # are ring permutes, counted by overlap.collectives
+        block = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd),
+                      f"block outputs, {2 + redo} forward per layer", **rs),
+                 Comm("reduce-scatter", ("tp",), (bwd + extra) * act, int(bwd + moe_count),
+                      "input gradients of the q, k, v and the gate, up groups, one each per "
+                      "layer in the backward (their region's own reduce-scatter)"
+                      + (" (a MoE layer's gate and up ones on its slot buffer)" if extra else ""),
+                      group=t),
+                 Comm("all-gather", ("tp",), 6 * L * k * act, 6 * L * k,
+                      "norm outputs into the attention and MLP (2 forward), their output "
+                      "gradients and the norm outputs again for the weight gradients (4 backward) "
+                      "per layer (a rematerialised forward's gathers take the place of the "
+                      "latter)", group=t)]
+        rows = [] if spec.tp_overlap != "none" else block   # collective matmul: ring permutes
+        norms = (2 * L + 1) * spec.model.dim * 4 * k      # fp32 scale gradients
+        seq = ("sp", "tp") if spec.deg("sp") > 1 else ("tp",)    # the residual's split
+        rows += [Comm("all-reduce", seq, norms, int((2 * L + 1) * k),
+                      "RMSNorm scale gradients: each rank's norms saw a sequence shard",
+                      group=t * spec.deg("sp")),
+                 Comm("all-gather", ("tp",), 2 * act * ko, 2 * ko,
+                      "final norm output into the LM head, forward and backward", group=t),
+                 Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
+                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
     else:
-        extra, moe_redo = _expert_extra(spec)      # MoE layers: their MLP's on the slot buffer
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,
-                     int(fwd + bwd + moe_redo),
-                     f"block activations: {2 + redo} forward + 5 backward per layer"
+                     int(fwd + bwd + moe_count),
+                     f"block activations: {2 + redo} forward per layer, and the input "
+                     f"gradients of the q, k, v and the gate, up groups (2 backward)"
                      + (" (a MoE layer's MLP ones on its slot buffer)" if extra else ""),
-                     group=t, minimum=(fwd + 2 * L * k) * act),
+                     group=t, minimum=(fwd + 2 * L * k + extra) * act),
                 Comm("all-reduce", ("tp",), 2 * act * ko, 2 * ko,
                      "vocab-parallel embedding (fwd) and head input gradient (bwd)", group=t)]
     rows.append(Comm("all-reduce", ("tp",), stats, 3 * ko,
@@ -94,23 +115,24 @@ def collectives(spec) -> list[Comm]:
 
 
 def _expert_extra(spec) -> tuple[float, int]:
-    """A MoE layer's MLP all-reduces act on its slot buffer, R = `expert_rows` rows per
-    token, not on bsh: the expert outputs forward, the gate and up input gradients backward
-    (and the outputs again when remat replays the experts). Returns (the bytes beyond the dense
-    count, in bsh units, and the extra all-reduces of a replay)."""
+    """A MoE layer's MLP all-reduces act on its slot buffer, R = `expert_rows` rows per token,
+    not on bsh: the expert outputs forward (R for 1), the gate and up input gradients backward
+    (2 R, reduced apiece, for the dense layer's one gate-up group), and the outputs again when
+    remat replays the experts. Returns (the bytes beyond a dense layer's, in bsh units, and
+    the all-reduces beyond its count)."""
     if not spec.moe:
         return 0.0, 0
     k, Lm, r = max(1, spec.accumulate), moe_layers(spec), expert_rows(spec)
     redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
-    return (3 * (r - 1) + redo * r) * Lm * k, redo * Lm * k
+    return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k, (1 + redo) * Lm * k
 
 
 def memory(spec) -> list[Term]:
-    """The buffers of the backward's q/k/v input-gradient all-reduces (3 bsh)."""
+    """The buffer of a column group's input-gradient reduction (bsh)."""
     if not active(spec):
         return []
     bsh = stream_bytes(spec) / (spec.deg("tp") if spec.sequence_parallel else 1)
-    return [Term("backward", 3 * bsh, "q/k/v input-gradient all-reduce buffers")]
+    return [Term("backward", bsh, "a column group's input-gradient reduction buffer")]
 
 
 def label(spec) -> list[str]:

@@ -1,0 +1,99 @@
+"""The train state as checkpoints hold it: the model's true vocabulary.
+
+A plan pads the embedding's rows and the LM head's columns to a multiple of its tensor-parallel
+degree (`ModelConfig.vocab_multiple`, raised by `plan.Spec`), so the padding depends on the mesh.
+A checkpoint keeps the true `model.vocab_size`: `to_disk` trims the padding before a save,
+`from_disk` pads it back with zeros after a restore (`disk_abstract` is the restore target), so
+a checkpoint restores onto any mesh and exports at the size it was trained at. The leaves trimmed
+are every array under an `embed` or `head` key of the state (the parameters, the fp32 master, the
+optimizer's moments, local SGD's replicas): the embedding's first dimension of the padded size,
+the head's last. A trimmed array is whole along the vocabulary (a split there would not divide
+it); nothing else of its layout changes. Without padding all three are the identity.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _key(path) -> str | None:
+    names = [getattr(k, "key", None) for k in path]
+    return next((n for n in names if n in ("embed", "head")), None)
+
+
+def padded_size(tree) -> int | None:
+    """The padded vocabulary: the embedding's rows in `tree` (a train state), or None."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if _key(path) == "embed" and getattr(leaf, "ndim", 0) == 2:
+            return int(leaf.shape[0])
+    return None
+
+
+def _dim(path, shape, padded: int) -> int | None:
+    """The vocabulary dimension of a leaf: the embedding's first of the padded size, the head's
+    last (a replica's leading axis may come before)."""
+    which = _key(path)
+    dims = [d for d, n in enumerate(shape) if n == padded]
+    if which is None or not dims:
+        return None
+    return dims[0] if which == "embed" else dims[-1]
+
+
+def _whole_along(sharding, dim: int, ndim: int):
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    spec[dim] = None
+    return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
+
+
+def disk_abstract(abstract_state, vocab_size: int):
+    """The restore target: `abstract_state` with the vocabulary at `vocab_size`."""
+    padded = padded_size(abstract_state)
+    if padded is None or padded == vocab_size:
+        return abstract_state
+
+    def one(path, a):
+        d = _dim(path, a.shape, padded)
+        if d is None:
+            return a
+        shape = a.shape[:d] + (vocab_size,) + a.shape[d + 1:]
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_whole_along(a.sharding, d, a.ndim))
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def to_disk(state, vocab_size: int):
+    """`state` with its vocabulary trimmed to `vocab_size` (what a checkpoint saves)."""
+    padded = padded_size(state)
+    if padded is None or padded == vocab_size:
+        return state
+    target = disk_abstract(jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state),
+        vocab_size)
+
+    def trim(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, a: a if (d := _dim(path, a.shape, padded)) is None
+            else jax.lax.slice_in_dim(a, 0, vocab_size, axis=d), tree)
+    return jax.jit(trim, out_shardings=jax.tree.map(lambda a: a.sharding, target))(state)
+
+
+def from_disk(state, abstract_state):
+    """A restored `state` (at the true vocabulary) padded with zeros to `abstract_state`'s
+    shapes and laid out as it says."""
+    padded = padded_size(abstract_state)
+    if padded is None or padded_size(state) == padded:
+        return state
+
+    def pad(tree):
+        def one(path, a, like):
+            d = _dim(path, like.shape, padded)
+            if d is None:
+                return a
+            width = [(0, 0)] * a.ndim
+            width[d] = (0, padded - a.shape[d])
+            return jnp.pad(a, width)
+        return jax.tree_util.tree_map_with_path(one, tree, abstract_state)
+    return jax.jit(pad, out_shardings=jax.tree.map(lambda a: a.sharding, abstract_state))(state)

@@ -1,0 +1,168 @@
+"""The numerics harness: "this plan computes what one device computes", update by update.
+
+Every test that claims a plan equals one device goes through `assert_matches`:
+
+- the optimizer takes real steps from the first one: warm-up 0 and a learning rate that stays at
+  `optim.lr` (the decay is 1000 steps long), so 3 steps are 3 updates of AdamW;
+- at least 3 steps, each on its own batch of the same data stream for both runs;
+- at each step it compares the loss, the mean gradients the update read (the train step's
+  `with_grads` output: the plan's reduction, compression and ZeRO layout included, no second
+  compile) and the updated fp32 weights (the master when the policy keeps one);
+- the tolerances (`Tolerance`) come from the method, not from what happened to pass.
+
+Tolerances. Gradients: max |g - g_ref| over a leaf, relative to max |g_ref| of that leaf.
+Parameters: |p - p_ref| in units of the learning rate. AdamW normalises each element's step
+(m / sqrt(v)), so a gradient that is a few ulps off can turn an element whose gradient is near
+zero by up to 2 lr; the parameter check therefore bounds the largest difference where the
+gradients are exact to fp32 rounding, and the mean difference where they carry 16-bit rounding.
+A broken plan moves both by whole learning rates (the negative controls in `test_numerics.py`).
+
+- `FP32`: the same fp32 arithmetic in another order: reduction order changes the last bits,
+  1e-5 of the leaf's largest gradient bounds it (measured: 4.5e-6 on dp2 x fsdp2 x tp2); losses
+  within 1e-5; weights within 2e-2 lr (measured 4.6e-3 lr after 3 updates).
+- `BF16`: against one bf16 device: bf16 gradients carry 8 significant bits (2^-8 = 3.9e-3
+  relative) and are summed in another order: 3e-2 of the leaf's largest gradient (about 4 ulps;
+  measured 1.1e-2); losses within 5e-4 (measured 6e-5); the mean weight difference within
+  2e-2 lr (measured 5e-3 lr; a dropped reduction gives about 1 lr).
+- `lossy(bound)`: a compressed gradient mean; its per-element error bound from the method
+  (`strategies.compression.methods`' table), the losses within the same bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxscale.data import Batches, load_corpus
+from jaxscale.train import disk
+from jaxscale.train.setup import build
+from tests.helpers import MESH_1, tiny_config
+
+#: the optimizer of the numerics runs: AdamW at its full learning rate from the first step
+REAL_UPDATES = ("optim.warmup_steps=0", "optim.decay_steps=1000")
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    grads: float | None          # max |g - g_ref| / max |g_ref|, per leaf (None: not bounded)
+    loss: float                  # |loss - loss_ref| / loss_ref
+    params_max: float | None     # max |p - p_ref| / lr (None: not bounded, see `params_mean`)
+    params_mean: float           # mean |p - p_ref| / lr
+    why: str = ""
+
+
+FP32 = Tolerance(1e-5, 1e-5, 2e-2, 1e-3, "fp32 in another reduction order")
+BF16 = Tolerance(3e-2, 5e-4, None, 2e-2, "bf16 gradients: 8 significant bits")
+
+
+def lossy(bound: float | None, loss: float, why: str) -> Tolerance:
+    """A compressed mean whose per-element error is at most `bound` of the leaf's largest
+    gradient (the method's error column; None for a low-rank projection, which has no
+    per-element bound), and the losses after the updates within `loss`."""
+    return Tolerance(bound, loss, None, 0.25, why)
+
+
+#: the compressed means of `plan.compression`: their bound on one step's gradient error
+#: (relative to the leaf's largest gradient), from the method: int8 rounds twice (each device's
+#: gradient, then the mean shard) to 1/254 of a block's largest value each, and a device's block
+#: max can be a few times the mean's (the devices' gradients partly cancel): 4 x 2/254; bf16
+#: twice 2^-9 relative; fp8 e4m3 twice 2^-4 relative. PowerSGD rank r keeps a rank-r projection
+#: of each matrix (error feedback carries the rest into later steps): no per-element bound, and
+#: AdamW's steps then go elsewhere (the weights are not bounded). The losses after 3 updates:
+#: AdamW moves each element by about lr whatever the gradient's size, so a rounding that flips
+#: the sign of small gradients changes the step; measured 1.2e-3 (int8) and 1.15e-2 (PowerSGD
+#: rank 2, dp8): bounds 5e-3 and 3e-2.
+COMPRESSION = {
+    "int8": lossy(8 / 254, 5e-3, "int8 blocks, twice rounded"),
+    "bf16": lossy(4 * 2 ** -9, 5e-3, "bf16 wire, twice rounded"),
+    "fp8": lossy(4 * 2 ** -4, 1e-2, "fp8 e4m3 blocks, twice rounded"),
+    "powersgd": Tolerance(None, 3e-2, None, 10.0, "rank-r projection with error feedback"),
+}
+#: int8 QAT on a parallel plan against one device: the quantised operands are computed from the
+#: same values, but an operand moved by fp32 reduction order can round to the neighbouring int8
+#: level (1/127 of its row's largest); such flips are rare, so the gradients stay within a
+#: fraction of one level: 1/254 (measured 3.9e-4 on dp2 x fsdp2 x tp2).
+QAT_INT8 = Tolerance(1 / 254, 1e-4, 0.1, 1e-3, "int8 operands: rare rounding flips")
+
+
+@dataclass
+class Trajectory:
+    losses: list[float] = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    params: list = field(default_factory=list)       # fp32 weights after each update
+    lr: float = 0.0
+    metrics: list = field(default_factory=list)
+    text: str = ""               # the compiled step's HLO (with the gradients as an output)
+    setup: object = None
+
+
+def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
+    """`steps` real updates of the tiny model under `overrides` (`--set` strings) on `devices`
+    (all 8 by default), each on batch i of one seeded stream."""
+    cfg = cfg or tiny_config(*overrides, *REAL_UPDATES)
+    setup = build(cfg, devices, with_grads=True)
+    compiled = setup.lower_train_step().compile()
+    batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
+    state = setup.init_state()
+    out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup)
+    for i in range(steps):
+        state, m = compiled(state, batches.device_batch(i, setup.batch_shardings()))
+        if "grads" in m:        # at the model's true vocabulary, as one device holds it
+            m["grads"] = disk.to_disk(m["grads"], cfg.model.vocab_size)
+        m = jax.device_get(m)
+        out.losses.append(float(m.pop("loss")))
+        out.grads.append(m.pop("grads", None))      # None: a step of its own (local SGD)
+        out.metrics.append({k: float(v) for k, v in m.items()})
+        weights = state.master if state.master is not None else state.params
+        out.params.append(jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(
+            disk.to_disk(weights, cfg.model.vocab_size))))
+    return out
+
+
+def one_device(*overrides, steps: int = STEPS) -> Trajectory:
+    """The reference: the same model and options on one device."""
+    return run((*overrides, *MESH_1), jax.devices()[:1], steps)
+
+
+def compare(got: Trajectory, ref: Trajectory) -> dict:
+    """The worst differences, step by step, in the units `Tolerance` bounds."""
+    assert len(got.losses) == len(ref.losses) >= STEPS, "at least 3 updates on each side"
+    out = {"loss": 0.0, "grads": 0.0, "params_max": 0.0, "params_mean": 0.0, "where": ""}
+    for step, (loss, r) in enumerate(zip(got.losses, ref.losses)):
+        out["loss"] = max(out["loss"], abs(loss - r) / abs(r))
+        if got.grads[step] is None or ref.grads[step] is None:
+            out["grads"] = None         # local SGD's own step has no mean gradient to show
+        for path, g, gr in ([] if out["grads"] is None else
+                            _leaves(got.grads[step], ref.grads[step])):
+            g, gr = np.asarray(g, np.float32), np.asarray(gr, np.float32)
+            err = float(np.abs(g - gr).max() / max(np.abs(gr).max(), 1e-30))
+            if err > out["grads"]:
+                out["grads"], out["where"] = err, f"gradient of {path} at update {step}"
+        diffs = [np.abs(p - pr).ravel() for _, p, pr in _leaves(got.params[step],
+                                                                 ref.params[step])]
+        flat = np.concatenate(diffs) / ref.lr
+        out["params_max"] = max(out["params_max"], float(flat.max()))
+        out["params_mean"] = max(out["params_mean"], float(flat.mean()))
+    return out
+
+
+def assert_matches(got: Trajectory, ref: Trajectory, tol: Tolerance = FP32) -> dict:
+    d = compare(got, ref)
+    if d["grads"] is None:
+        assert tol.grads is None, "a tolerance on the gradients, but the step shows none"
+    bad = [f"{k} {d[k]:.3g} > {getattr(tol, k):.3g}"
+           for k in ("loss", "grads", "params_max", "params_mean")
+           if getattr(tol, k) is not None and d[k] > getattr(tol, k)]
+    assert not bad, f"differs from one device ({tol.why}): {'; '.join(bad)} (worst: {d['where']})"
+    return d
+
+
+def _leaves(a, b):
+    pa = jax.tree_util.tree_flatten_with_path(a)[0]
+    pb = jax.tree.leaves(b)
+    assert len(pa) == len(pb), "the two runs' trees differ"
+    for (path, x), y in zip(pa, pb):
+        assert x.shape == y.shape, (jax.tree_util.keystr(path), x.shape, y.shape)
+        yield jax.tree_util.keystr(path), x, y
