@@ -71,17 +71,6 @@ def dtype_bytes(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-def dp_only(spec, option: str, why: str, off: str) -> list[str]:
-    """The error of a strategy that runs over `dp` alone when the plan splits the model over
-    another mesh axis: `option` (e.g. "plan.compression") names it, `why` the reason, `off`
-    the setting that turns it off."""
-    other = [f"mesh.{a}={spec.deg(a)}" for a in ("pp", "fsdp", "ep", "sp", "tp") if spec.deg(a) > 1]
-    if not other:
-        return []
-    return [f"{option} runs on data-parallel plans over mesh.dp alone, not with "
-            f"{', '.join(other)}{': ' + why if why else ''}; set them to 1 or {off}"]
-
-
 # ----------------------------------------------------------------------------- the step's parts
 #: what a strategy may set in `StepParts` (each part by one strategy): who sets it, and what it is
 PARTS = {

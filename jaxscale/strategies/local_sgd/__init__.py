@@ -147,7 +147,9 @@ def shape_step(spec, parts) -> None:
     states per device in `TrainState.comm`, the outer optimizer's state in `opt_state`."""
     if not active(spec):
         return
-    parts.set("train_step", lambda ctx: make_train_step(spec, ctx), by=NAME)
+    from jaxscale.strategies.local_sgd.replicas import make_train_step
+    parts.set("train_step", lambda ctx: make_train_step(spec, ctx, outer_optimizer(spec),
+                                                        METRICS), by=NAME)
     parts.set("state.comm", lambda params, optimizer, where: init_state(spec, params, optimizer),
               by=NAME)
     parts.set("comm_specs", comm_specs, by=NAME)
@@ -182,119 +184,3 @@ def init_state(spec, params, optimizer):
     rep = {"params": jax.tree.map(lambda a: a.astype(jnp.float32), params)}
     rep["opt_state"] = optimizer.init(rep["params"])
     return averaging.stack(rep, spec.deg("dp"))
-
-
-def make_train_step(spec, ctx):
-    """The train step of a local-SGD plan: (state, batch) -> (state, metrics), all of it in one
-    `jax.shard_map` over dp (see the module docstring). `ctx` is the step's context
-    (`jaxscale.train.step.StepContext`): its optimizer (the inner one), learning rate, placement,
-    precision policy, grads function (with statistics, `stat_names`)."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxscale.axes import manual, use_rules
-    from jaxscale.strategies.common import PROBE, keep_if_finite
-    from jaxscale.strategies.local_sgd import averaging
-    placement, policy, optimizer = ctx.placement, ctx.policy, ctx.optimizer
-    mesh, grads_fn, stat_names = placement.mesh, ctx.grads_fn, ctx.stat_names
-    n, H, warmup = spec.deg("dp"), spec.local_steps, spec.local_warmup
-    outer, probe = outer_optimizer(spec), ctx.parts.probe
-    after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
-
-    def body(step, anchor, outer_state, comm, batch, scale, *probed):
-        """One device: its replica's inner step, then (every H-th step) the average; in
-        post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`).
-        `probed`: a probe's inputs (fp8 QAT's scales); what the replicas saw is combined over
-        dp (the largest amax)."""
-        rep, opt = jax.tree.map(lambda a: a[0], (comm["params"], comm["opt_state"]))
-        with manual(("dp",)):
-            grads, loss, ntok, stats = grads_fn(policy.working(rep), batch, scale,
-                                                **({"probe": probed[0]} if probed else {}))
-        seen = stats.pop(PROBE, None)
-        if seen is not None:
-            seen = jax.tree.map(lambda a: jax.lax.pmax(a, "dp"), seen)
-        norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-        # the metrics, for logging and loss scaling: no local update waits for them
-        sums = jax.lax.psum(jnp.stack([loss * ntok, ntok, norm, (~finite).astype(jnp.float32)]
-                                      + [stats[s] for s in stat_names]), "dp")
-
-        def update(grads, norm, finite, rep, opt):
-            updates, new_opt = optimizer.update(grads, opt, rep, grad_norm=norm)
-            new = keep_if_finite(finite, optax.apply_updates(rep, updates), rep)
-            if after is not None:
-                with manual(("dp",)):
-                    new = after(new, step + finite)
-            return new, keep_if_finite(finite, new_opt, opt)
-
-        def local(args):                        # 0: the replica's own step
-            anchor, outer_state, rep, opt = args
-            return (anchor, outer_state) + update(grads, norm, finite, rep, opt)
-
-        def local_then_average(args):           # 1: and the average into the anchor
-            anchor, outer_state, rep, opt = local(args)
-            new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n)
-            if after is not None:               # the average of masked replicas, masked
-                with manual(("dp",)):
-                    new = after(new, step + 1)
-            return new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt
-
-        def synchronous(args):                  # 2: DP's step: the token-mean gradient of all
-            anchor, outer_state, rep, opt = args
-            total = jnp.where(sums[1] > 0, sums[1], 1.0)
-            mean = jax.tree.map(lambda g: jax.lax.psum(g * ntok, "dp") / total, grads)
-            mnorm = optax.tree.norm(mean)
-            rep, opt = update(mean, mnorm, jnp.isfinite(mnorm) & (sums[3] == 0), rep, opt)
-            return (jax.tree.map(lambda a, r: r.astype(a.dtype), anchor, rep), outer_state,
-                    rep, opt)       # every replica took the same step: no average needed
-
-        branch = averaging.is_sync(step, H, warmup).astype(jnp.int32)
-        branches = [local, local_then_average]
-        if warmup:
-            branch = jnp.where(step < warmup, 2, branch)
-            branches.append(synchronous)
-        anchor, outer_state, rep, opt = jax.lax.switch(branch, branches,
-                                                       (anchor, outer_state, rep, opt))
-        comm = jax.tree.map(lambda a: a[None], {"params": rep, "opt_state": opt})
-        return (anchor, outer_state, comm, sums) + ((seen,) if probed else ())
-
-    def train_step(state, batch):
-        with use_rules(mesh, placement.rules):
-            scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
-            anchor = state.master if policy.master else state.params
-            rows = jax.tree.map(lambda _: P("dp"), batch)
-            rep_specs = jax.tree.map(lambda _: P("dp"), state.comm)
-            probed = () if probe is None else (probe.read(getattr(state, probe.field)),)
-
-            def same(tree):
-                return jax.tree.map(lambda _: P(), tree)
-            out = jax.shard_map(
-                body, mesh=mesh, axis_names={"dp"}, check_vma=False,
-                in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P())
-                + tuple(same(p) for p in probed),
-                out_specs=(same(anchor), same(state.opt_state), rep_specs, P())
-                + tuple(same(p) for p in probed))(
-                state.step, anchor, state.opt_state, state.comm, batch,
-                jnp.asarray(scale, jnp.float32), *probed)
-            anchor, outer_state, comm, sums = out[:4]
-        tokens = sums[1]
-        finite = sums[3] == 0
-        changes = {} if probe is None else {
-            probe.field: probe.write(getattr(state, probe.field), out[4], finite)}
-        new_state = dataclasses.replace(
-            state, step=state.step + 1, params=policy.working(anchor), opt_state=outer_state,
-            master=anchor if policy.master else None,
-            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm, **changes)
-        metrics = {"loss": sums[0] / jnp.where(tokens > 0, tokens, 1.0), "grad_norm": sums[2] / n,
-                   "lr": ctx.learning_rate(state.step), "tokens": tokens,
-                   "skipped": (~finite).astype(jnp.int32)}
-        metrics.update({s: sums[METRICS + i] / n for i, s in enumerate(stat_names)})
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = state.loss_scale["scale"]
-        return new_state, metrics
-
-    return train_step

@@ -131,18 +131,6 @@ def matmul_reduce_scatter(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: 
     return out
 
 
-def reference_allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, **einsum_kw):
-    """The undecomposed form: one all-gather, then one matmul (what GSPMD emits)."""
-    return jnp.einsum(eq, lax.all_gather(x, axis, axis=x_seq, tiled=True), w, **einsum_kw)
-
-
-def reference_matmul_reduce_scatter(eq: str, x, w, axis: str, *, out_seq: int = 1,
-                                    **einsum_kw):
-    """The undecomposed form: one matmul, then one reduce-scatter."""
-    return lax.psum_scatter(jnp.einsum(eq, x, w, **einsum_kw), axis,
-                            scatter_dimension=out_seq, tiled=True)
-
-
 # ----------------------------------------------------------------------------- the projection
 def _seq_dim(names, logical: str, partition, site: str, what: str) -> int:
     """The dimension of `logical` in an operand, which must end in tp (and only there)."""
