@@ -132,10 +132,13 @@ def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
     from jaxscale.strategies.tables.params import leaves
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
-    data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1]
+    # local SGD averages the replicas over dp itself (local_sgd/); inside each replica (an
+    # fsdp x tp group) the other data axes reduce as in any step
+    data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1
+            and not (a == "dp" and spec.local_sgd != "none")]
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
-    if (not data and not seq) or spec.local_sgd != "none":
-        return []           # local_sgd/ averages the replicas then
+    if not data and not seq:
+        return []
     once = set(sync_axes(spec))
     if own_mean(spec):
         once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
