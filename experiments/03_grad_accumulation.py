@@ -11,6 +11,11 @@ Memory: the compiled step's temp bytes per device at k = 1, 2, 4, 8. The activat
 part that grows with the batch: temp(batch 128) - temp(batch 64), i.e. the activations of 64 more
 rows (8/k rows per device per micro-batch). It should fall k-fold; what stays is the fixed part
 (gradients, the fp32 accumulator, optimizer temporaries). Writes accumulation.png.
+
+Communication: gradient bytes per step over the replicated axis (`dp`) against k on an HSDP plan
+(dp2 x fsdp2 x tp2), reduced once per step (`plan.grad_sync=auto`: fsdp reduce-scatters each
+micro-batch into the sharded accumulator, dp all-reduces the shard once) and per micro-batch
+(`plan.grad_sync=microbatch`), census beside inspect's theory. Writes accumulation_sync.png.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 KS, SEQ, BATCH = (1, 2, 4, 8), 64, 64
+HSDP = ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2")
 
 
 def temp_bytes(k: int, batch: int) -> int:
@@ -100,9 +106,19 @@ def main():
     ax.set_title(f"gradient accumulation, batch {BATCH} x {SEQ}, dp=8")
     ax.legend(fontsize=8)
     C.save(fig, args.out, "accumulation.png")
+    sync = C.sync_bytes(HSDP, KS, seq=32, batch=64)
+    print()
+    print(C.table(["k", "grad_sync", "census MiB over dp", "theory MiB"],
+                  [[r["k"], r["mode"], f"{r['census'] / C.MiB:.4f}", f"{r['theory'] / C.MiB:.4f}"]
+                   for r in sync],
+                  title="gradient bytes per step over dp, dp2 x fsdp2 x tp2 (HSDP)"))
+    C.sync_claims(claims, sync, "dp2xfsdp2xtp2")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    C.plot_sync_bytes(ax, sync, "dp2 x fsdp2 x tp2: bytes over dp per step against k")
+    C.save(fig, args.out, "accumulation_sync.png")
     print(f"{time.time() - t0:.0f} s")
     claims.finish(args.out, {"temps": {str(k): v for k, v in temps.items()},
-                             "numerics": num})
+                             "numerics": num, "sync_bytes": sync})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ Topic 07: data parallelism. Two parts, in one run on the 8 simulated CPU devices
    clipping and schedule (`benchmarks.matched_training`): the two curves coincide up to fp32
    rounding; the throughput ratio is measured side by side (on CPU, where 8 JAX devices and 8
    torch processes share the cores, only the ratio means anything).
-Under three minutes on 2 idle cores. Writes dp_census.json, dp_vs_ddp.json and
+3. Gradient accumulation on dp8: bytes over dp per step against k = 1, 2, 4, 8 micro-batches,
+   reduced once per step (`plan.grad_sync=auto`, the default: the local accumulator all-reduced
+   once, as DDP's `no_sync`) and per micro-batch (`plan.grad_sync=microbatch`: k times the bytes),
+   census beside inspect's theory (`dp_sync.json`, the third panel).
+Under four minutes on 2 idle cores. Writes dp_census.json, dp_vs_ddp.json and
 data_parallel.png under --out.
 """
 from __future__ import annotations
@@ -22,7 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-from _common import pyplot, savefig  # first: 8 simulated devices before jax is imported
+from _common import (  # first: 8 simulated devices before jax is imported
+    plot_sync_bytes,
+    pyplot,
+    savefig,
+    sync_bytes,
+)
 
 import jax  # noqa: E402
 
@@ -73,9 +82,11 @@ def census_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, pair, path: Path) -> None:
+def plot(rows, pair, sync, path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2 if pair else 1, figsize=(12 if pair else 6, 4.5), squeeze=False)
+    n = 3 if pair else 2
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), squeeze=False)
+    plot_sync_bytes(axes[0][n - 1], sync, "dp8: gradient bytes over dp per step against k")
     ax = axes[0][0]
     ns = [r["dp"] for r in rows]
     ax.bar([str(n) for n in ns], [r["allreduce_bytes"] / MiB for r in rows],
@@ -129,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             if i % 5 == 0 or i == len(pair["jax"]["loss"]) - 1:
                 print(f"  step {i + 1:>3}  {a:.6f}  {b:.6f}  {abs(a - b):.1e}")
         (out / "dp_vs_ddp.json").write_text(json.dumps(pair, indent=2, default=str))
-    plot(rows, pair, out / "data_parallel.png")
-    print(f"\nwrote {out}/dp_census.json{', dp_vs_ddp.json' if pair else ''} and data_parallel.png")
+    sync = sync_bytes(("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1"), seq=64, batch=64)
+    print("\ngradient bytes over dp per step, dp8, k micro-batches (census | theory):")
+    for r in sync:
+        print(f"  k={r['k']}  {r['mode']:<10}  {r['census']:>10,}  {r['theory']:>10,.0f}")
+    (out / "dp_sync.json").write_text(json.dumps(sync, indent=2))
+    plot(rows, pair, sync, out / "data_parallel.png")
+    print(f"\nwrote {out}/dp_census.json{', dp_vs_ddp.json' if pair else ''}, dp_sync.json and "
+          f"data_parallel.png")
     return 0
 
 

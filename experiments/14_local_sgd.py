@@ -11,6 +11,10 @@ with its own rows of a 32 x 64 batch and its own AdamW, trained by the framework
   post-local H=16    48 synchronous steps (DP), then local SGD with H = 16 (Lin et al. 2018)
   SlowMo H=16        outer heavy-ball momentum 0.5, lr 1, on the averaged change (arXiv 1910.00643)
   DiLoCo H           outer Nesterov momentum 0.9, lr 0.7 (arXiv 2311.08105), H = 4 and 16
+  DiLoCo H=16, 2 fsdp2xtp2   2 replicas (mesh.dp=2), each an fsdp2 x tp2 group of 4 devices
+                     (DiLoCo's islands): the average moves each device's quarter of the
+                     parameters over dp, and fsdp/tp run inside each replica as usual
+                     (32 steps: its census, two averages and its held-out loss then)
 
 Every run sees the same batches. Per run: the training loss (the replicas' mean, on their own
 rows), the held-out loss of the averaged model (the anchor, `TrainState.params`) every 32 steps
@@ -40,6 +44,8 @@ from jaxscale.strategies.local_sgd import averaging as L  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 SEQ, BATCH, EVAL_EVERY, EVAL_BATCHES, WARMUP = 64, 32, 32, 4, 48
+ISLANDS = "DiLoCo H=16, 2 fsdp2xtp2"
+ISLAND_STEPS = 32       # its census and two averages (an fsdp x tp step is slow on CPU)
 #: (label, overrides)
 RUNS = [("DP", ()),
         ("local H=1", ("plan.local_sgd=local", "plan.local_steps=1")),
@@ -49,7 +55,9 @@ RUNS = [("DP", ()),
                              f"plan.local_warmup={WARMUP}")),
         ("SlowMo H=16", ("plan.local_sgd=slowmo", "plan.local_steps=16")),
         ("DiLoCo H=4", ("plan.local_sgd=diloco", "plan.local_steps=4")),
-        ("DiLoCo H=16", ("plan.local_sgd=diloco", "plan.local_steps=16"))]
+        ("DiLoCo H=16", ("plan.local_sgd=diloco", "plan.local_steps=16")),
+        (ISLANDS, ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.local_sgd=diloco",
+                   "plan.local_steps=16"))]
 
 
 def train(cfg, train_b, held_b, steps, also=()):
@@ -91,13 +99,16 @@ def main() -> None:
         cfg = C.apply_overrides(base, list(overrides))
         # DP also where it has moved as many bytes as local SGD with H = 4 and 16 in the run
         also = (args.steps // 16, args.steps // 4) if label == "DP" else ()
-        losses, held, census, theory = train(cfg, train_b, held_b, args.steps, also)
+        steps = ISLAND_STEPS if label == ISLANDS else args.steps
+        losses, held, census, theory = train(cfg, train_b, held_b, steps, also)
         spec = plan.Spec.from_config(cfg)
         H = spec.local_steps if local_sgd.active(spec) else 1
         warm = spec.local_warmup
-        per_step = sum(r["bytes"] for r in census if r["kind"] == "all-reduce")
-        syncs = args.steps if not local_sgd.active(spec) else L.syncs(args.steps, H, warm)
-        run_bytes = syncs * 4 * size + args.steps * (16 if local_sgd.active(spec) else 0)
+        per_step = sum(r["bytes"] for r in census          # over dp (the replicas' link)
+                       if r["kind"] == "all-reduce" and r["axes"] == ["dp"])
+        syncs = steps if not local_sgd.active(spec) else L.syncs(steps, H, warm)
+        inner = spec.deg("fsdp") * spec.deg("tp")       # a replica's own split
+        run_bytes = syncs * 4 * size / inner + steps * (16 if local_sgd.active(spec) else 0)
         curves[label] = (losses, held)
         final = held[-1][1]
         rows.append([label, H, f"{per_step:,.0f}", syncs, f"{run_bytes / 2**20:.1f}",
@@ -122,6 +133,11 @@ def main() -> None:
         H = res[label]["H"]
         claims.close(f"{label}: bytes/step = DP's / H (+ 16 B of metrics)",
                      res[label]["census_bytes_per_step"] - 16, dp_bytes / H, 1e-6)
+    over_dp = sum(r["census_bytes"] for r in res[ISLANDS]["theory"]
+                  if r["kind"] == "all-reduce" and r["axes"] == ["dp"])
+    claims.close(f"{ISLANDS}: bytes over dp per step about a quarter of DP's / 16 (each device "
+                 f"its fsdp x tp shard; the norm scales split over fsdp only)",
+                 over_dp - 16, dp_bytes / 4 / 16, 5e-3)
     held = {k: v["heldout"][-1][1] for k, v in res.items()}
     claims.check("local SGD: averaging every 16 steps ends above averaging every step",
                  held["local H=16"], held["local H=1"], held["local H=16"] > held["local H=1"])

@@ -203,3 +203,64 @@ def compile_partitioned(setup, dump: str):
         "xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     part = sorted(glob.glob(os.path.join(dump, "*train_step*after_spmd-partitioning*")))[-1]
     return c, with_trip_counts(open(part).read())
+
+
+def sync_bytes(plan: tuple[str, ...], ks=(1, 2, 4, 8), seq: int = 32, batch: int = 64) -> list:
+    """Gradient bytes per step over the replicated axis (every reduction whose group includes
+    dp, from the compiled step's census) for `plan.accumulate=k`, reduced once per step
+    (`plan.grad_sync=auto`) and per micro-batch (`microbatch`), beside inspect's theory:
+    [{k, mode, census, theory}]."""
+    from jaxscale.analysis.inspect import report
+    rows = []
+    for k in ks:
+        for mode in ("auto", "microbatch"):
+            if k == 1 and mode == "microbatch":        # one micro-batch: the same program
+                rows.append({**rows[-1], "mode": mode})
+                continue
+            rep = report(config(*plan, f"plan.accumulate={k}", f"plan.grad_sync={mode}",
+                                seq=seq, batch=batch))
+            pick = [r for r in rep["theory"] if r["kind"] == "all-reduce" and "dp" in r["axes"]]
+            rows.append({"k": k, "mode": mode,
+                         "census": sum(r["census_bytes"] for r in pick),
+                         "theory": sum(r["theory_bytes"] for r in pick)})
+    return rows
+
+
+def plot_sync_bytes(ax, rows: list, title: str) -> None:
+    """Bytes per step over dp against k, for both sync modes (census markers, theory lines)."""
+    for mode, color in (("auto", "C0"), ("microbatch", "C3")):
+        got = [r for r in rows if r["mode"] == mode]
+        ks = [r["k"] for r in got]
+        label = "once per step (auto)" if mode == "auto" else "per micro-batch"
+        ax.plot(ks, [r["theory"] / MiB for r in got], "-", color=color, label=f"{label}: theory")
+        ax.plot(ks, [r["census"] / MiB for r in got], "o", color=color,
+                label=f"{label}: census")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["k"] for r in rows if r["mode"] == "auto"])
+    ax.set_xticklabels([str(r["k"]) for r in rows if r["mode"] == "auto"])
+    ax.set_xlabel("micro-batches per step (plan.accumulate)")
+    ax.set_ylabel("gradient MiB per step over dp")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def sync_claims(claims, rows: list, what: str) -> None:
+    """Per micro-batch: k times one micro-batch's bytes over dp. Once per step: flat in k, and
+    no more than one micro-batch's (under HSDP less: fsdp reduces first, then dp moves each
+    device's shard, where one micro-batch's XLA reduces some gradients over dp x fsdp at their
+    whole size). Both: the census is inspect's theory."""
+    one = next(r["census"] for r in rows if r["k"] == 1)
+    flat = next(r["census"] for r in rows if r["k"] == 2 and r["mode"] == "auto")
+    for r in rows:
+        claims.close(f"{what} k={r['k']} {r['mode']}: census / theory", r["census"] / r["theory"],
+                     1.0, 1e-3)
+        if r["k"] == 1:
+            continue
+        if r["mode"] == "microbatch":
+            claims.close(f"{what} k={r['k']} per micro-batch: bytes over dp / one micro-batch's",
+                         r["census"] / one, float(r["k"]), 0.02)
+        else:
+            claims.close(f"{what} k={r['k']} once per step: bytes over dp / k=2's",
+                         r["census"] / flat, 1.0, 0.02)
+            claims.check(f"{what} k={r['k']} once per step: bytes over dp / one micro-batch's",
+                         r["census"] / one, "<= 1.02", r["census"] <= 1.02 * one)
