@@ -226,6 +226,16 @@ def test_replicas_that_are_fsdp_tp_groups_equal_dp_on_the_same_mesh():
     numerics.assert_matches(local, dp, dataclasses.replace(
         numerics.FP32, grads=None, why="the same fp32 steps; local SGD's step shows no mean "
         "gradient, the weights after each update are compared"))
+    # the census is the formula row by row: the average over dp, and inside each replica
+    # fsdp's gradient reduction and gathers and tp's activations, as in any step
+    spec = plan.Spec.from_config(tiny_config(
+        *mesh, *SGD, "plan.local_sgd=local", "plan.local_steps=1", *numerics.REAL_UPDATES),
+        8).with_(device_kind="cpu")
+    rows = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        local.text, local.setup.placement.mesh, plan.branch_share(spec)))
+    assert {tuple(r["axes"]) for r in rows} == {("dp",), ("fsdp",), ("tp",)}
+    for r in rows:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
 
 
 @pytest.mark.parametrize("overrides, message", [
