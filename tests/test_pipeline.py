@@ -159,7 +159,8 @@ def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
     assert meta["layer_order"] == order
     fresh = jax.device_get(one.init_state())          # the same seed in the model's order
     for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(fresh)):
-        np.testing.assert_array_equal(a, b)
+        # two programs' initialisations: equal up to the last bit (tests/conftest.py)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
     batch = _batch(8)
     with jax.set_mesh(one.placement.mesh):
         want = one.eval_step(restored.params, batch)
