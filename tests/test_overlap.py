@@ -104,6 +104,31 @@ def test_fsdp_with_collective_matmul_matches_one_device_and_the_formula():
         assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-3), row
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_qat_operands_through_the_rings_match_one_device_and_the_formula(method):
+    """QAT with collective matmul on fsdp2 x tp4: the rings carry 8-bit chunks (int8 with its
+    per-token scales, s32 partial dots; fp8 e4m3 / e5m2 bytes), 3 updates equal one device's
+    QAT (fp8 with its amax history), and the census is the formula row by row, permutes at
+    fewer bytes than the unquantised rings."""
+    plan_ = ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "plan.sequence_parallel=true",
+             "model.n_kv_heads=4", CM, f"plan.qat={method}")
+    got = numerics.run(plan_)
+    numerics.assert_matches(got, numerics.one_device("model.n_kv_heads=4", f"plan.qat={method}"),
+                            {"int8": numerics.QAT_INT8, "fp8": numerics.QAT_FP8}[method])
+    cfg = tiny_config(*plan_, *numerics.REAL_UPDATES)
+    spec = plan.Spec.from_config(cfg, 8).with_(device_kind="cpu")
+    rows = inspect.theory_vs_census(plan.collectives(spec),
+                                    inspect.census(got.text, got.setup.placement.mesh))
+    for row in rows:
+        assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-3), row
+    (perm,) = [r for r in rows if r["kind"] == "collective-permute"]
+    unquantised = overlap.collectives(spec.with_(qat="none"))[0].bytes
+    assert perm["census_bytes"] < {"int8": 0.9, "fp8": 0.6}[method] * unquantised
+    (ring,) = overlap.collectives(spec)
+    assert ring.count == sum(c["count"] for c in inspect.census(
+        got.text, got.setup.placement.mesh) if c["kind"] == "collective-permute")
+
+
 def _count(rep, kind, axes=("tp",)):
     return sum(c["count"] for c in rep["collectives"]
                if c["kind"] == kind and tuple(c["axes"]) == axes)
@@ -113,8 +138,9 @@ def test_census_shows_permutes_in_place_of_the_block_gathers(overlapped):
     cfg, _, rep = overlapped
     t, L = cfg.mesh.tp, cfg.model.n_layers
     assert _count(rep, "all-gather") == 2          # the LM head's input, forward and backward
-    # 13 rings per layer: 2 gathering + 2 scattering forward, 2 gathering again + 7 backward
-    assert _count(rep, "collective-permute") == 13 * (t - 1) * L
+    # 10 rings per layer: 2 gathering (one per column group) + 2 scattering forward; backward
+    # the 2 gathering again for dW, one reverse ring per group and one per row matmul
+    assert _count(rep, "collective-permute") == 10 * (t - 1) * L
     for row in rep["theory"]:                      # every formula, the permutes' included
         assert row["ratio"] is not None and abs(row["ratio"] - 1) < 0.025, row
     spec = plan.Spec.from_config(cfg, 8)
@@ -127,7 +153,7 @@ def test_bidirectional_with_remat_replays_the_o_ring_as_the_formula_says():
                       "plan.remat=full")
     rep = inspect.report(cfg)
     t, L = cfg.mesh.tp, cfg.model.n_layers
-    assert _count(rep, "collective-permute") == (13 + 1) * (t - 1) * L
+    assert _count(rep, "collective-permute") == (10 + 1) * (t - 1) * L
     (row,) = [r for r in rep["theory"] if r["kind"] == "collective-permute"]
     assert row["ratio"] == pytest.approx(1.0)
 
@@ -153,6 +179,10 @@ def test_bad_option_values_and_a_second_projection_are_refused():
     with pytest.raises(ValueError, match="plan.tp_overlap=collective_matmul and plan.qat=int8 "
                                          "both replace the model's weight matmuls"):
         overlap.rules(spec.with_(tp_overlap="collective_matmul"), taken)
+    # with QAT the collective matmul is the one projection, on QAT's operands
+    both = spec.with_(tp_overlap="collective_matmul", qat="fp8")
+    assert both.problems() == []
+    assert both.rules.seams["projection"] == both.rules.seams["columns"] == "collective_matmul+fp8"
 
 
 # ----------------------------------------------------------------------------- XLA presets

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import dp, pp, zero
+from jaxscale.strategies import dp, pp, qat, zero
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import leaves
 
@@ -77,8 +77,9 @@ def collectives(spec) -> list[Comm]:
         size = leaf.local_size(spec, drop=("fsdp",)) * pb
         count_f += int(spec.stage_layers if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):
-            layer_f += size
-            layer_b += size
+            quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
+            layer_f += size if quantised is None else quantised[0]
+            layer_b += size if quantised is None else quantised[1]
             count_b += int(spec.stage_layers if leaf.stacked else 1)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
         elif leaf.path == "head":

@@ -12,19 +12,21 @@ replace. The LM head stays GSPMD's (a vocabulary-parallel matmul, not a sequence
 
 Collectives, per layer and micro-batch, with bsh the [micro-batch, sequence, dim] activation
 and t = mesh.tp: every ring is t-1 `collective-permute`s of one bsh/t chunk (the bytes a ring
-all-gather or reduce-scatter of bsh puts on each link), and the block runs 13 of them where
-GSPMD runs 6 all-gathers and 7 reduce-scatters: forward, the attention and MLP inputs'
-gathering rings (q, k and v run identical rings, which XLA merges into one; gate and up too)
-and the o and down scattering rings; backward, the two gathering rings again for the weight
-gradients (nothing inside the collective matmul is kept, as GSPMD re-gathers the norm outputs:
-the same activation memory), and one ring per matmul for its input gradient (5 + 2: the
-backward of a permute is the reverse permute). A rematerialised block also replays the o ring
-unless it keeps `o_proj` (its replayed input rings are the weight gradients' rings, merged).
-Same wire bytes and memory as GSPMD's sequence parallelism; what it buys is that every hop has
-an independent partial matmul to hide under, where GSPMD's all-gather must finish before its
-matmul starts and its reduce-scatter cannot start before the matmul ends
-(`experiments/11_overlap.py` measures both from the scheduled HLO). What it costs: t smaller
-matmuls in place of one.
+all-gather or reduce-scatter of bsh puts on each link), and the block runs 10 of them, one for
+each all-gather or reduce-scatter of GSPMD's sequence parallelism with tp's column groups:
+forward, one gathering ring per column group (q, k and v compute their three products from
+each chunk as it passes, gate and up theirs) and the o and down scattering rings; backward,
+the two gathering rings again for the weight gradients (nothing inside the collective matmul is
+kept, as GSPMD re-gathers the norm outputs: the same activation memory), one reverse ring per
+group for its input gradient (the group's three or two partial products summed per chunk
+before it travels: the backward of a permute is the reverse permute), and one per row matmul.
+A rematerialised block also replays the o ring unless it keeps `o_proj` (its replayed input
+rings are the weight gradients' rings). With `plan.qat` the same rings carry 8-bit operands
+(`quantised`; bytes per ring in `rings`). Same wire bytes and memory as GSPMD's sequence
+parallelism; what it buys is that every hop has an independent partial matmul to hide under,
+where GSPMD's all-gather must finish before its matmul starts and its reduce-scatter cannot
+start before the matmul ends (`experiments/11_overlap.py` measures both from the scheduled
+HLO). What it costs: t smaller matmuls in place of one.
 
 `plan.xla_preset` names a set of XLA compiler options for the train step (`XLA_PRESETS`, passed
 to `jax.jit(compiler_options=...)`, so no environment flag has to be set before the backend
@@ -38,7 +40,7 @@ from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm
 from jaxscale.strategies.remat import actions, parse
 from jaxscale.strategies.tables.activations import stream_bytes
-from jaxscale.strategies.tp import COLUMN, ROW
+from jaxscale.strategies.tp import ROW
 
 NAME = "overlap"
 AVAILABLE = True
@@ -120,38 +122,60 @@ def problems(spec) -> list[str]:
         errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
                     f"not through the collective matmul: set model.moe_experts=0 or "
                     f"plan.tp_overlap=none")
-    return errs        # with plan.qat (the other projection) refused by quant.problems
+    return errs
 
 
 def rules(spec, rules) -> None:
     if active(spec):
-        rules.set_seam("projection", spec.tp_overlap, by=f"plan.tp_overlap={spec.tp_overlap}")
+        for seam in ("projection", "columns"):     # the row sites; the column groups
+            rules.set_seam(seam, implementation(spec), by=f"plan.tp_overlap={spec.tp_overlap}")
 
 
-def rings_per_layer(spec) -> tuple[int, int]:
-    """(forward rings, backward rings) per layer and micro-batch (see the module docstring):
-    forward, one per gathered input and one per row-parallel matmul; backward, the input rings
-    again for the weight gradients and one per matmul for its input gradient, plus the o ring
-    a rematerialised block replays unless it keeps `o_proj`."""
-    bwd = INPUT_RINGS + len(COLUMN) + len(ROW)
-    if parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat":
-        bwd += 1
-    return INPUT_RINGS + len(ROW), bwd
+def rings(spec) -> list[tuple[str, int, float, int]]:
+    """The rings of one layer and micro-batch (see the module docstring), as (what, rings,
+    bytes per element of a bsh/t chunk, permutes per hop), by `plan.qat`'s operands:
+
+    - plain: forward, one ring per column group's input and one per row-parallel matmul;
+      backward, the groups' input rings again for the weight gradients, one reverse ring per
+      group for its summed input gradient, one per row matmul; a rematerialised block replays
+      the o ring unless it keeps `o_proj` (its replayed input rings are the weight gradients').
+    - int8: forward, the groups' rings carry the int8 chunk and its per-token fp32 scales (two
+      permutes per hop), the row rings s32 partial dots; backward, the plain rings; a
+      rematerialised block replays its int8 input rings (not the plain ones of dW) and the o
+      ring.
+    - fp8: the forward input rings and the backward rings of the weight gradients (the same
+      ring, replayed) carry e4m3 bytes, the row matmuls' backward rings e5m2 bytes; the
+      reduce-scattering rings (row forward, the groups' input gradients) partial dots in the
+      compute dtype."""
+    c, q = spec.compute_itemsize, spec.qat
+    replay_o = parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat"
+    if q == "int8":
+        gather = 1 + 4 / spec.model.dim
+        out = [("int8 inputs", INPUT_RINGS, gather, 2), ("s32 row outputs", len(ROW), 4, 1),
+               ("dW inputs", INPUT_RINGS, c, 1), ("input gradients", INPUT_RINGS, c, 1),
+               ("row gradients", len(ROW), c, 1)]
+        if parse(spec.remat) != "none":
+            out.append(("int8 inputs replayed", INPUT_RINGS, gather, 2))
+        return out + ([("o replayed", 1, 4, 1)] if replay_o else [])
+    e8 = 1 if q == "fp8" else c
+    out = [("inputs", INPUT_RINGS, e8, 1), ("row outputs", len(ROW), c, 1),
+           ("dW inputs", INPUT_RINGS, e8, 1), ("input gradients", INPUT_RINGS, c, 1),
+           ("row gradients", len(ROW), e8, 1)]
+    return out + ([("o replayed", 1, c, 1)] if replay_o else [])
 
 
 def collectives(spec) -> list[Comm]:
     if not active(spec) or spec.deg("tp") == 1 or not spec.sequence_parallel:
         return []
     t, L, k = spec.deg("tp"), spec.stage_layers, max(1, spec.accumulate)
-    chunk = stream_bytes(spec) / t
-    fwd, bwd = rings_per_layer(spec)
-    n = (fwd + bwd) * (t - 1) * L * k
-    return [Comm("collective-permute", ("tp",), n * chunk, n,
-                 f"collective matmul: t-1 hops of a bsh/t chunk per ring; per layer {fwd} "
-                 f"rings forward (attention and MLP inputs gathered, o and down scattered), "
-                 f"{bwd} backward (the inputs again for dW, each matmul's input gradient"
-                 + (", the o replay" if bwd > INPUT_RINGS + len(COLUMN) + len(ROW) else "")
-                 + ")", group=t, overlap=True)]
+    elements = stream_bytes(spec) / spec.compute_itemsize / t     # one chunk
+    hops = (t - 1) * L * k
+    found = rings(spec)
+    n = sum(r * p for _, r, _, p in found) * hops
+    size = sum(r * b for _, r, b, _ in found) * elements * hops
+    return [Comm("collective-permute", ("tp",), size, n,
+                 "collective matmul: t-1 hops of a bsh/t chunk per ring; per layer "
+                 + ", ".join(f"{r} {what}" for what, r, _, _ in found), group=t, overlap=True)]
 
 
 def memory(spec) -> list:
@@ -172,13 +196,32 @@ def shape_step(spec, parts) -> None:
     parts.compiler_options.update(compiler_options(spec.xla_preset))
 
 
-@register("projection", "collective_matmul")
-def _collective_matmul(*args, **kw):
-    from jaxscale.strategies.overlap.collective_matmul import project
-    return project(*args, **kw)
+def implementation(spec) -> str:
+    """The projection seam's implementation: the collective matmul, on QAT's 8-bit operands
+    when `plan.qat` is set (`quantised`)."""
+    return spec.tp_overlap + ("" if spec.qat == "none" else f"+{spec.qat}")
 
 
-@register("projection", "collective_matmul_bidirectional")
-def _collective_matmul_bidirectional(*args, **kw):
-    from jaxscale.strategies.overlap.collective_matmul import project
-    return project(*args, bidirectional=True, **kw)
+def _register(mode: str, quant: str | None):
+    name = mode + ("" if quant is None else f"+{quant}")
+    bidi = mode.endswith("bidirectional")
+
+    def rings():
+        from jaxscale.strategies.overlap import collective_matmul, quantised
+        return collective_matmul, (collective_matmul.plain_rings if quant is None
+                                    else quantised.RINGS[quant])
+
+    @register("projection", name)
+    def run(*args, **kw):
+        cm, impl = rings()
+        return cm.project(*args, bidirectional=bidi, impl=impl, **kw)
+
+    @register("columns", name)
+    def group(*args, **kw):
+        cm, impl = rings()
+        return cm.project_group(*args, bidirectional=bidi, impl=impl, **kw)
+
+
+for _mode in MODES[1:]:
+    for _quant in (None, "int8", "fp8"):
+        _register(_mode, _quant)

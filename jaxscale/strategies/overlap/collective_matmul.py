@@ -30,6 +30,8 @@ each permute is the reverse permute, so gradients are collective matmuls too).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -53,63 +55,93 @@ def _perms(t: int):
     return fwd, bwd
 
 
-def _put(out, y, chunk, seq: int):
+def put_chunk(out, y, chunk, seq: int):
     """out with y written at sequence chunk `chunk` (a traced index)."""
     return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), chunk * y.shape[seq], seq)
 
 
-def _take(x, chunk, size: int, seq: int):
+def take_chunk(x, chunk, size: int, seq: int):
     return lax.dynamic_slice_in_dim(x, chunk * size, size, seq)
 
 
-def allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,
-                     bidirectional: bool = False, **einsum_kw):
-    """einsum(eq, all_gather(x, axis, axis=x_seq, tiled=True), w) as t-1 ring hops of x's chunk,
-    each overlapping the matmul of the chunk already here (call inside `shard_map`).
-
-    x: this device's sequence chunk [.., T/t, ..] (chunk index = its position on `axis`);
-    w: the local weight (not split along the contraction). Returns [.., T, ..] along out_seq."""
-    t = lax.axis_size(axis)
-    mm = lambda a: jnp.einsum(eq, a, w, **einsum_kw)           # noqa: E731
-    y = mm(x)
-    if t == 1:
-        return y
-    idx = lax.axis_index(axis)
-    shape = list(y.shape)
-    shape[out_seq] *= t
-    out = _put(jnp.zeros(shape, y.dtype), y, idx, out_seq)
+def ring_visit(x, axis: str, bidirectional: bool):
+    """(chunk, its owner's index) for this device's chunk and then each chunk arriving round the
+    ring: t-1 `ppermute` hops (of a pytree of arrays), each visit independent of the next hop."""
+    t, idx = lax.axis_size(axis), lax.axis_index(axis)
+    yield x, idx
     kf, kb = ring_split(t, bidirectional)
     fwd_perm, bwd_perm = _perms(t)
     f = b = x
     for s in range(1, max(kf, kb) + 1):
-        # the hop of step s carries the chunk of device idx - s (forward) / idx + s (backward);
-        # the matmul of the chunk received at step s-1 has no dependence on it
+        # the hop of step s carries the chunk of device idx - s (forward) / idx + s (backward)
         if s <= kf:
             f = lax.ppermute(f, axis, fwd_perm)
-            out = _put(out, mm(f), (idx - s) % t, out_seq)
+            yield f, (idx - s) % t
         if s <= kb:
             b = lax.ppermute(b, axis, bwd_perm)
-            out = _put(out, mm(b), (idx + s) % t, out_seq)
+            yield b, (idx + s) % t
+
+
+def allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,
+                     bidirectional: bool = False, matmul=None, **einsum_kw):
+    """einsum(eq, all_gather(x, axis, axis=x_seq, tiled=True), w) as t-1 ring hops of x's chunk,
+    each overlapping the matmul of the chunk already here (call inside `shard_map`).
+
+    x: this device's sequence chunk [.., T/t, ..] (chunk index = its position on `axis`);
+    w: the local weight (not split along the contraction). Returns [.., T, ..] along out_seq.
+    `matmul(chunk)`, if given, replaces einsum(eq, chunk, w): x may then be a pytree (an 8-bit
+    chunk with its scales) that travels the ring as it is, and the result a tuple (the matmuls
+    of a group reading x, each chunk's products computed on its one visit)."""
+    mm = matmul or (lambda a: jnp.einsum(eq, a, w, **einsum_kw))     # noqa: E731
+    t = lax.axis_size(axis)
+    if t == 1:
+        return mm(x)
+    out = None
+    for chunk, owner in ring_visit(x, axis, bidirectional):
+        y = mm(chunk)
+        if out is None:
+            out = jax.tree.map(lambda a: jnp.zeros(
+                a.shape[:out_seq] + (a.shape[out_seq] * t,) + a.shape[out_seq + 1:], a.dtype), y)
+        out = jax.tree.map(lambda o, a: put_chunk(o, a, owner, out_seq), out, y)
     return out
 
 
+def allgather_contract(x, full, axis: str, contract, *, seq: int = 1,
+                       bidirectional: bool = False):
+    """sum over the chunks c of all_gather(x) of contract(chunk c, full's slice c along `seq`),
+    as the same t-1 ring hops (call inside `shard_map`): a weight gradient x^T g whose x (or g)
+    is sequence-split, without gathering it whole. `full` and the result may be pytrees (a
+    group's gradients, their weight gradients)."""
+    total = None
+    t = lax.axis_size(axis)
+    for chunk, owner in ring_visit(x, axis, bidirectional):
+        y = contract(chunk, jax.tree.map(
+            lambda a: take_chunk(a, owner, a.shape[seq] // t, seq), full))
+        total = y if total is None else jax.tree.map(jnp.add, total, y)
+    return total
+
+
 def matmul_reduce_scatter(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,
-                          bidirectional: bool = False, **einsum_kw):
+                          bidirectional: bool = False, matmul=None, **einsum_kw):
     """psum_scatter(einsum(eq, x, w), axis, scatter_dimension=out_seq, tiled=True) as t-1 ring
     hops of an accumulator, each overlapping the partial matmul of the next chunk (call inside
     `shard_map`).
 
     x: the full sequence [.., T, ..] along x_seq with the contraction split over `axis` (each
-    device holds a partial sum); returns this device's summed chunk [.., T/t, ..]."""
+    device holds a partial sum); returns this device's summed chunk [.., T/t, ..]. `matmul(x
+    slice)`, if given, replaces einsum(eq, slice, w) (x may then be a pytree, sliced leaf by
+    leaf); the accumulators travel in its result's dtype."""
+    mm = matmul or (lambda a: jnp.einsum(eq, a, w, **einsum_kw))     # noqa: E731
     t = lax.axis_size(axis)
     if t == 1:
-        return jnp.einsum(eq, x, w, **einsum_kw)
-    if x.shape[x_seq] % t:
-        raise ValueError(f"matmul_reduce_scatter: sequence length {x.shape[x_seq]} (dimension "
+        return mm(x)
+    n = jax.tree.leaves(x)[0].shape[x_seq]
+    if n % t:
+        raise ValueError(f"matmul_reduce_scatter: sequence length {n} (dimension "
                          f"{x_seq}) is not divisible by the {t} devices of axis {axis!r}")
-    size = x.shape[x_seq] // t
+    size = n // t
     idx = lax.axis_index(axis)
-    part = lambda c: jnp.einsum(eq, _take(x, c % t, size, x_seq), w, **einsum_kw)  # noqa: E731
+    part = lambda c: mm(jax.tree.map(lambda a: take_chunk(a, c % t, size, x_seq), x))  # noqa: E731
     kf, kb = ring_split(t, bidirectional)
     fwd_perm, bwd_perm = _perms(t)
     f = b = None
@@ -145,45 +177,108 @@ def _seq_dim(names, logical: str, partition, site: str, what: str) -> int:
     return d
 
 
-def project(eq, x, w, site, names, mesh, rules, bidirectional=False, **kw):
-    """`project` for the block's column- and row-parallel sites as collective matmuls in a
-    `shard_map` over the whole (remaining) mesh; the other sites (the LM head) as GSPMD's
-    einsum. A weight split over the data axes too (fsdp, ZeRO-3's dp) is all-gathered over them
-    first, inside, and its gradient reduce-scattered back (the all-gather's transpose); over the
-    axes it is whole on, its gradient is summed once, at the region's edge."""
-    if site not in COLUMN + ROW:
-        return plain(eq, x, w, **kw)
+class Ring(NamedTuple):
+    """Where one site's collective matmul runs: the operands' and result's mesh specs, the
+    sequence dimension of x and of the result, the weight's dimensions gathered over data axes
+    (fsdp, ZeRO-3's dp) inside, whether it gathers (column) or scatters (row), the ring's
+    direction(s)."""
+    mesh: object
+    x_spec: tuple
+    w_spec: tuple
+    o_spec: tuple
+    x_seq: int
+    out_seq: int
+    gathered: tuple
+    column: bool
+    bidirectional: bool
+
+    def gather_weight(self, w_local, skip=()):
+        """The weight's shards over the data axes, gathered (tp's split kept); not on the
+        dimensions `skip` (a per-channel scale's size-1 contracted ones)."""
+        for d, axes in self.gathered:
+            if d not in skip:
+                w_local = lax.all_gather(w_local, axes, axis=d, tiled=True)
+        return w_local
+
+
+def ring_of(site, names, mesh, rules, bidirectional) -> Ring:
     xn, wn, on = names
     x_spec, w_spec, o_spec = (tuple(rules.spec(n)) for n in names)
-    if site in COLUMN:
+    column = site in COLUMN
+    if column:
         x_seq = _seq_dim(xn, "norm_seq", x_spec, site, "input")
         out_seq = on.index("seq")
     else:
         out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
         x_seq = xn.index("seq")
-    fn = allgather_matmul if site in COLUMN else matmul_reduce_scatter
-    gathered = [(d, tuple(a for a in _axes(e) if a != "tp"))
-                for d, e in enumerate(w_spec) if any(a != "tp" for a in _axes(e))]
+    gathered = tuple((d, tuple(a for a in _axes(e) if a != "tp"))
+                     for d, e in enumerate(w_spec) if any(a != "tp" for a in _axes(e)))
     if any(_axes(w_spec[d])[-1:] != ("tp",) and "tp" in _axes(w_spec[d]) for d, _ in gathered):
         raise ValueError(f"collective matmul at {site}: the weight {wn} is split {w_spec}, tp "
                          f"not innermost on its dimension")
+    return Ring(mesh, x_spec, w_spec, o_spec, x_seq, out_seq, gathered, column, bidirectional)
 
-    def body(x_local, w_local):
-        for d, axes in gathered:        # fsdp's shards of the weight, gathered here
-            w_local = lax.all_gather(w_local, axes, axis=d, tiled=True)
-        with suspended():       # per-device shards: no global sharding rules inside
-            return fn(eq, x_local, w_local, "tp", x_seq=x_seq, out_seq=out_seq,
-                      bidirectional=bidirectional, **kw)
+
+def region(rings, body, in_specs, out_specs):
+    """body(*per-device operands) in a `shard_map` over the whole (remaining) mesh, with no
+    global sharding rules inside."""
+    def run(*args):
+        with suspended():
+            return body(*args)
+    return jax.shard_map(run, mesh=rings[0].mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def specs(rings):
+    """(x's spec, the weights' specs, the outputs' specs) of a group, as PartitionSpecs."""
+    return (P(*rings[0].x_spec), tuple(P(*r.w_spec) for r in rings),
+            tuple(P(*r.o_spec) for r in rings))
+
+
+def plain_rings(rings, eq: str, x, ws, sites=(), **kw) -> tuple:
+    """einsum(eq, x, w) for each w of `ws` as one collective matmul: a column group's one ring
+    of x's chunks (each chunk's matmuls computed on its visit; the backward sums the group's
+    input gradients before its one reverse ring), or a row site's reduce-scattering ring."""
+    r = rings[0]
+    ring_kw = dict(x_seq=r.x_seq, out_seq=r.out_seq, bidirectional=r.bidirectional)
+
+    def body(x_local, *w_local):
+        w_local = [q.gather_weight(w) for q, w in zip(rings, w_local)]
+        if r.column:
+            return allgather_matmul(eq, x_local, None, "tp", **ring_kw, matmul=lambda c: tuple(
+                jnp.einsum(eq, c, w, **kw) for w in w_local))
+        return (matmul_reduce_scatter(eq, x_local, w_local[0], "tp", **ring_kw, **kw),)
 
     # nothing inside is kept for the backward: it re-runs the input's ring for the weight
-    # gradient (as GSPMD re-gathers it), so the chunks, and the gathered weight, are never
-    # stacked as per-layer residuals; the rings of q, k and v (gate and up) are identical and
-    # XLA keeps one of each, forward and replayed
+    # gradients (as GSPMD re-gathers it), so the chunks, and the gathered weights, are never
+    # stacked as per-layer residuals
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(*w_spec)),
-                        out_specs=P(*o_spec), check_vma=False)
-    return run(x, w.astype(x.dtype))
+    x_spec, w_specs, o_specs = specs(rings)
+    run = region(rings, body, (x_spec,) + w_specs, o_specs)
+    return run(x, *(w.astype(x.dtype) for w in ws))
+
+
+def project_group(eq, x, ws, sites, names, mesh, rules, bidirectional=False, impl=None,
+                  **kw) -> tuple:
+    """The matmuls einsum(eq, x, w) of the sites `sites` (a column group reading x, or one
+    site) as one collective matmul in a `shard_map` over the whole (remaining) mesh. A weight
+    split over the data axes too (fsdp, ZeRO-3's dp) is all-gathered over them first, inside,
+    and its gradient reduce-scattered back (the all-gather's transpose); over the axes it is
+    whole on, its gradient is summed once, at the region's edge. `impl(rings, eq, x, ws,
+    sites)`: the rings' implementation (`plain_rings`; QAT's 8-bit operands: `quantised`)."""
+    rings = [ring_of(s, n, mesh, rules, bidirectional) for s, n in zip(sites, names)]
+    return (impl or plain_rings)(rings, eq, x, ws, sites, **kw)
+
+
+def project(eq, x, w, site, names, mesh, rules, bidirectional=False, impl=None, **kw):
+    """`project` for the row-parallel sites (o, down) as matmul-reduce-scatter rings (and a
+    column site not in a group as its all-gather ring); the other sites (the LM head) as
+    GSPMD's einsum."""
+    if site not in COLUMN + ROW:
+        return plain(eq, x, w, **kw)
+    return project_group(eq, x, (w,), (site,), (names,), mesh, rules, bidirectional, impl,
+                         **kw)[0]
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -34,11 +34,14 @@ one); fp8's per-tensor amaxes are scalar all-reduces. Matmul partial sums under 
 (int8) or f32 (fp8): 4 bytes per element, as in fp32. What changes in byte counts: under FSDP
 XLA quantises each weight shard before the forward all-gather, so the block weights travel in
 8 bits (int8: forward only, -32% of the tiny model's gather bytes; fp8: both passes, widened to
-f16 by XLA:CPU, -43%); `fsdp`'s formula does not model this (docs/quantization.md).
+f16 by XLA:CPU, -43%); `fsdp`'s formula models it where the code decides it, under collective
+matmul (`ring_gathers`: the ring's region gathers the quantised weight), not for GSPMD's own
+choice (docs/quantization.md).
 
 Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation,
 gradient compression, the sparse embedding exchange, local SGD (inside their data regions the
-rules, and so the projection, stay on: `axes.manual`) and any precision; not with pipeline stages,
+rules, and so the projection, stay on: `axes.manual`), collective matmul (its rings carry these
+operands: `jaxscale.strategies.overlap.quantised`) and any precision; not with pipeline stages,
 nor with mixtures of experts (the experts' matmuls do not go through the projection hook).
 """
 from __future__ import annotations
@@ -84,28 +87,83 @@ def problems(spec) -> list[str]:
         errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
                     f"{spec.model.moe_experts} do not go through the projection hook: use a "
                     f"dense model or plan.qat=none")
-    if spec.tp_overlap != "none":    # the other strategy that replaces the weight matmuls
-        errs.append(f"{q} and plan.tp_overlap={spec.tp_overlap} both replace the model's "
-                    f"weight matmuls (the rules' projection seam): choose one")
     return errs
 
 
 def rules(spec, rules) -> None:
-    """No sharding rule: the projection implementation."""
-    if active(spec):
+    """No sharding rule: the projection implementation; under `plan.tp_overlap` the collective
+    matmul's, which runs its rings on this method's operands
+    (`jaxscale.strategies.overlap.quantised`)."""
+    if active(spec) and spec.tp_overlap == "none":
         rules.set_seam("projection", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
 
 
 def collectives(spec) -> list[Comm]:
-    """int8 under tp: the per-token scales of wo's and w_down's inputs, reduced over tp (their
-    contracted axes, heads and mlp, are split there): one fp32 all-reduce(max) of the local
-    tokens per layer each, in the forward. (Scalar amax all-reduces are left out.)"""
+    """int8 under tp: the per-token scales of wo's and w_down's inputs, and those weights'
+    per-channel scales, are maxima over their contracted axes (heads and mlp), which tp splits:
+    per layer one fp32 all-reduce(max) of the local tokens and one of the local channels for
+    each, in the forward. (Scalar amax all-reduces are left out.)"""
     if not active(spec) or spec.qat != "int8" or spec.deg("tp") == 1:
         return []
-    n = 2 * spec.model.n_layers
+    from jaxscale.strategies.tables.params import leaves
+    L, t = spec.model.n_layers, spec.deg("tp")
+    n = 2 * L
     tokens = spec.local_batch * spec.local_seq
-    return [Comm("all-reduce", ("tp",), 4 * tokens * n, n,
-                 "int8 QAT: per-token scales of wo and w_down inputs (max)", group=spec.deg("tp"))]
+    m = spec.model
+    contracted = {"wo": m.n_heads * m.hd / t, "w_down": m.ffn_dim / t}
+    channels = sum(leaf.local_size(spec) / L / contracted[leaf.path.split("/")[-1]]
+                   for leaf in leaves(m) if leaf.path.split("/")[-1] in contracted)
+    out = [Comm("all-reduce", ("tp",), 4 * tokens * n, n,
+                "int8 QAT: per-token scales of wo and w_down inputs (max)", group=t),
+           Comm("all-reduce", ("tp",), 4 * channels * L, n,
+                "int8 QAT: per-channel scales of wo and w_down (max)", group=t)]
+    f = spec.deg("fsdp")
+    if f > 1 and spec.tp_overlap != "none":
+        # the weights quantised before the ring's region gathers them: a channel's scale is a
+        # max over its contraction, which fsdp splits for the column-parallel weights
+        split = [leaf for leaf in leaves(m) if leaf.path.split("/")[-1] in QUANTISED_SITES
+                 and _split_by(spec, CONTRACTED[leaf.path.split("/")[-1]], "fsdp")]
+        if split:
+            out.append(Comm("all-reduce", ("fsdp",), 4 * sum(_channels(spec, x) for x in split),
+                            L, "int8 QAT: per-channel scales of weights whose contraction fsdp "
+                            "splits (max), before the ring's gather", group=f))
+    return out
+
+
+#: the logical axes each quantised weight contracts (its per-channel scales span the others)
+CONTRACTED = {"wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("heads", "head_dim"),
+              "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",)}
+
+
+def _channels(spec, leaf, drop=()) -> float:
+    """Local elements of a weight's per-channel scales (its non-contracted dimensions)."""
+    kept = [n for n, ax in zip(leaf.local_shape(spec, drop), leaf.axes)
+            if ax not in CONTRACTED[leaf.path.split("/")[-1]]]
+    out = 1.0
+    for n in kept:
+        out *= n
+    return out
+
+
+def _split_by(spec, axes, mesh_axis: str) -> bool:
+    return any(mesh_axis in spec.rules.table.get(a, ()) for a in axes)
+
+
+def ring_gathers(spec, leaf) -> tuple[float, float] | None:
+    """(forward, backward) bytes of fsdp's all-gather of a block weight when collective matmul
+    runs on QAT's operands (`overlap.quantised`: the region gathers the weight already quantised):
+    forward 1 byte per element (int8 with its per-channel fp32 scales where fsdp splits a channel
+    dimension); backward fp8's e4m3 again, int8's straight-through backward the compute dtype.
+    None for any other leaf or plan (the compute dtype, `fsdp.collectives`)."""
+    site = leaf.path.split("/")[-1]
+    if not active(spec) or spec.tp_overlap == "none" or site not in QUANTISED_SITES:
+        return None
+    elements = leaf.local_size(spec, drop=("fsdp",))
+    if spec.qat == "fp8":
+        return elements, elements
+    channel_axes = [a for a in leaf.axes if a not in CONTRACTED[site] and a != "layers"]
+    scales = 4 * _channels(spec, leaf, ("fsdp",)) if _split_by(spec, channel_axes, "fsdp") else 0
+    return elements + scales, elements * spec.wire_param_itemsize
 
 
 def saved_input_elements(spec) -> float:

@@ -98,18 +98,35 @@ def _int8(t, axes):
     return jnp.clip(jnp.round(t32 / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8), s
 
 
+def int8_operands(eq: str, x, w):
+    """((x in int8, its per-token scales), (w in int8, its per-channel scales)), the scales kept
+    as size-1 axes where the contraction was."""
+    cx, cw, _ = _dims(eq)
+    return _int8(x, cx), _int8(w, cw)
+
+
+def int8_product(eq: str, qx, qw):
+    """The int8 x int8 -> int32 dot of einsum(eq), in the output's layout."""
+    return _dot(eq, qx, qw, jnp.int32)
+
+
+def int8_rescale(eq: str, y, sx, sw, dtype):
+    """The int32 product y (output layout) times s_x times s_w in fp32, cast to `dtype`; sx and
+    sw as `int8_operands` gives them (or the slices of them matching y)."""
+    cx, cw, perm = _dims(eq)
+    sx, sw = jnp.squeeze(sx, cx), jnp.squeeze(sw, cw)
+    fx = sx.reshape(sx.shape + (1,) * sw.ndim)
+    fw = sw.reshape((1,) * sx.ndim + sw.shape)
+    if perm != tuple(range(fx.ndim)):
+        fx, fw = jnp.transpose(fx, perm), jnp.transpose(fw, perm)
+    return (y.astype(jnp.float32) * fx * fw).astype(dtype)
+
+
 def int8_forward(eq: str, x, w):
     """int8 x int8 -> int32 dot of the per-token / per-channel quantised operands, rescaled,
     in x's dtype."""
-    cx, cw, perm = _dims(eq)
-    qx, sx = _int8(x, cx)
-    qw, sw = _int8(w, cw)
-    n_wfree = w.ndim - len(cw)
-    sx = jnp.squeeze(sx, cx).reshape(jnp.squeeze(sx, cx).shape + (1,) * n_wfree)
-    y = jax.lax.dot_general(qx, qw, ((cx, cw), ((), ())), preferred_element_type=jnp.int32)
-    y = y.astype(jnp.float32) * sx * jnp.squeeze(sw, cw)
-    y = y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
-    return y.astype(x.dtype)
+    (qx, sx), (qw, sw) = int8_operands(eq, x, w)
+    return int8_rescale(eq, int8_product(eq, qx, qw), sx, sw, x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
