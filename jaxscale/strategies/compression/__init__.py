@@ -12,7 +12,10 @@ bucket: quantised all-to-all + all-gather, top-k values + indices all-gathered, 
 small all-reduces per matrix shard, ... (`methods.py`). So an HSDP plan (dp across nodes, fsdp
 and tp inside) compresses exactly its cross-node reduction. The result is the whole mean on
 every dp rank; ZeRO-1/2/3 slice their shards of it (the method's all-gather stage is paid, not
-replaced by ZeRO's own gather).
+replaced by ZeRO's own gather). With local SGD (`plan.local_sgd`: DiLoCo, SlowMo, ...) there is no
+gradient mean over dp: the method averages the replicas' parameter changes instead, once every H
+steps, in local SGD's step (`local_sgd.replicas.outer_mean`), its state beside the replicas' (the
+compressed outer gradients of streaming DiLoCo).
 
 Collectives: those of the method over dp on a device's shards, in place of the gradient
 all-reduce over dp, plus one all-reduce of two scalars (tokens and loss). Saves: bytes on the wire
@@ -24,6 +27,7 @@ onto the same mesh; onto another, restart it).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from jaxscale.strategies.common import Comm, Term
@@ -91,6 +95,11 @@ def collectives(spec) -> list[Comm]:
         return []
     rows = formulas.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
                                 **params(spec))
+    if spec.local_sgd != "none":    # the replicas' parameter changes, once every H steps
+        H = max(1, spec.local_steps)
+        rows = [dataclasses.replace(r, bytes=r.bytes / H, what=f"{r.what}: local SGD's outer "
+                                    f"average of the parameter changes, per step 1/H={H} of it")
+                for r in rows]
     return rows
 
 
@@ -115,7 +124,7 @@ def label(spec) -> list[str]:
 def shape_step(spec, parts) -> None:
     """The step: the gradient mean over dp computed by the method (`mean`) in the data region
     (`strategies.dp` sets the region), its error-feedback state per device in `TrainState.comm`."""
-    if not active(spec):
+    if not active(spec) or spec.local_sgd != "none":     # local SGD's outer mean runs it
         return
     if not spec.sparse_embedding:       # else its mean calls this one for the other gradients
         parts.set("mean", lambda ctx: mean(spec), by=NAME)

@@ -30,6 +30,9 @@ gradient norm the mean of the replicas' norms. A replica whose step is not finit
 (its own decision: no collective before a local update); loss scaling halves if any overflowed.
 With pruning, each replica is masked after its inner update and the anchor after each average.
 
+With `plan.compression` the average is the method's compressed mean of the changes
+(`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`), its collectives in
+place of the fp32 all-reduce (`compression.collectives`, at 1/H).
 Needs ZeRO 0: ZeRO would split over dp one optimizer state that the dp ranks no longer share
 (each replica has its own). Not with offload (the replicas update on the device).
 """
@@ -76,10 +79,6 @@ def problems(spec) -> list[str]:
         errs.append(f"plan.local_sgd gives each dp rank its own replica and inner optimizer "
                     f"state; ZeRO-{spec.zero} would split one optimizer state over those ranks: "
                     f"use plan.zero=0 (mesh.fsdp shards each replica instead)")
-    if spec.compression != "none":
-        errs.append(f"plan.local_sgd replaces the gradient all-reduce that plan.compression="
-                    f"{spec.compression} compresses: set plan.compression=none (or "
-                    f"plan.local_sgd=none)")
     if spec.offload != "none":
         errs.append(f"plan.local_sgd updates the replicas on the device: set plan.offload=none "
                     f"(not {spec.offload})")
@@ -106,9 +105,10 @@ def collectives(spec) -> list[Comm]:
     n, H = spec.deg("dp"), max(1, spec.local_steps)
     from jaxscale.strategies.tables.params import leaves
     size = sum(leaf.local_size(spec) for leaf in leaves(spec.model))     # a device's shard
-    return [Comm("all-reduce", ("dp",), 4 * size / H, 1,
-                 f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of it)",
-                 group=n),
+    average = [Comm("all-reduce", ("dp",), 4 * size / H, 1,
+                    f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of "
+                    f"it)", group=n)] if spec.compression == "none" else []   # else compressed
+    return average + [
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
                  "the step's metrics: loss x tokens, tokens, gradient norm, non-finite flag"
                  + (", the 3 router metrics" if spec.moe else ""),
@@ -150,8 +150,8 @@ def shape_step(spec, parts) -> None:
     from jaxscale.strategies.local_sgd.replicas import make_train_step
     parts.set("train_step", lambda ctx: make_train_step(spec, ctx, outer_optimizer(spec),
                                                         METRICS), by=NAME)
-    parts.set("state.comm", lambda params, optimizer, where: init_state(spec, params, optimizer),
-              by=NAME)
+    parts.set("state.comm", lambda params, optimizer, where: init_state(spec, params, optimizer,
+                                                                        where), by=NAME)
     parts.set("comm_specs", comm_specs, by=NAME)
     parts.set("state_optimizer", lambda optimizer: outer_optimizer(spec), by=NAME)
 
@@ -165,7 +165,11 @@ def comm_specs(param_specs, comm, optimizer):
     rep = jax.tree.map(lambda sp: P("dp", *sp), param_specs, is_leaf=lambda x: isinstance(x, P))
     opt = optax.tree_map_params(optimizer, lambda _, sp: sp, comm["opt_state"], rep,
                                 transform_non_params=lambda _: P("dp"))
-    return {"params": rep, "opt_state": opt}
+    out = {"params": rep, "opt_state": opt}
+    if "mean" in comm:          # the compressed outer mean's per-device state
+        from jaxscale.strategies import compression
+        out["mean"] = compression.comm_specs(param_specs, comm["mean"], optimizer)
+    return out
 
 
 def outer_optimizer(spec):
@@ -174,13 +178,19 @@ def outer_optimizer(spec):
     return averaging.outer_optimizer(*hparams(spec))
 
 
-def init_state(spec, params, optimizer):
+def init_state(spec, params, optimizer, where):
     """{"params": replicas, "opt_state": their inner optimizer states}, [dp, ...] leaves (each
-    replica a copy of `params` in fp32)."""
+    replica a copy of `params` in fp32); with a stateful `plan.compression`, "mean": the
+    compressed outer mean's state, one slice per device (`compression.init_state`)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxscale.strategies import compression
     from jaxscale.strategies.local_sgd import averaging
     rep = {"params": jax.tree.map(lambda a: a.astype(jnp.float32), params)}
     rep["opt_state"] = optimizer.init(rep["params"])
-    return averaging.stack(rep, spec.deg("dp"))
+    out = averaging.stack(rep, spec.deg("dp"))
+    held = compression.init_state(spec, params, where)
+    if held is not None:
+        out["mean"] = held
+    return out

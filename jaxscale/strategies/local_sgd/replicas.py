@@ -26,6 +26,7 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
     n, H, warmup = spec.deg("dp"), spec.local_steps, spec.local_warmup
     probe = ctx.parts.probe
     after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
+    mean = outer_mean(spec, ctx)
 
     def body(step, anchor, outer_state, comm, batch, scale, *probed):
         """One device: its replica's inner step, then (every H-th step) the average; in
@@ -33,6 +34,7 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
         `probed`: a probe's inputs (fp8 QAT's scales); what the replicas saw is combined over
         dp (the largest amax)."""
         rep, opt = jax.tree.map(lambda a: a[0], (comm["params"], comm["opt_state"]))
+        held = comm.get("mean")          # the compressed mean's state, this dp rank's devices
         with manual(("dp",)):
             grads, loss, ntok, stats = grads_fn(policy.working(rep), batch, scale,
                                                 **({"probe": probed[0]} if probed else {}))
@@ -54,34 +56,43 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
             return new, keep_if_finite(finite, new_opt, opt)
 
         def local(args):                        # 0: the replica's own step
-            anchor, outer_state, rep, opt = args
-            return (anchor, outer_state) + update(grads, norm, finite, rep, opt)
+            anchor, outer_state, rep, opt, held = args
+            return (anchor, outer_state) + update(grads, norm, finite, rep, opt) + (held,)
 
         def local_then_average(args):           # 1: and the average into the anchor
-            anchor, outer_state, rep, opt = local(args)
-            new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n)
+            anchor, outer_state, rep, opt, held = local(args)
+            box = [held]
+
+            def through(delta):                 # the compressed mean, its state kept
+                avg, box[0] = mean(delta, held)
+                return avg
+            new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n,
+                                                    None if mean is None else through)
             if after is not None:               # the average of masked replicas, masked
                 with manual(("dp",)):
                     new = after(new, step + 1)
-            return new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt
+            return (new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt,
+                    box[0])
 
         def synchronous(args):                  # 2: DP's step: the token-mean gradient of all
-            anchor, outer_state, rep, opt = args
+            anchor, outer_state, rep, opt, held = args
             total = jnp.where(sums[1] > 0, sums[1], 1.0)
-            mean = jax.tree.map(lambda g: jax.lax.psum(g * ntok, "dp") / total, grads)
-            mnorm = optax.tree.norm(mean)
-            rep, opt = update(mean, mnorm, jnp.isfinite(mnorm) & (sums[3] == 0), rep, opt)
+            avg = jax.tree.map(lambda g: jax.lax.psum(g * ntok, "dp") / total, grads)
+            mnorm = optax.tree.norm(avg)
+            rep, opt = update(avg, mnorm, jnp.isfinite(mnorm) & (sums[3] == 0), rep, opt)
             return (jax.tree.map(lambda a, r: r.astype(a.dtype), anchor, rep), outer_state,
-                    rep, opt)       # every replica took the same step: no average needed
+                    rep, opt, held)     # every replica took the same step: no average needed
 
         branch = averaging.is_sync(step, H, warmup).astype(jnp.int32)
         branches = [local, local_then_average]
         if warmup:
             branch = jnp.where(step < warmup, 2, branch)
             branches.append(synchronous)
-        anchor, outer_state, rep, opt = jax.lax.switch(branch, branches,
-                                                       (anchor, outer_state, rep, opt))
+        anchor, outer_state, rep, opt, held = jax.lax.switch(
+            branch, branches, (anchor, outer_state, rep, opt, held))
         comm = jax.tree.map(lambda a: a[None], {"params": rep, "opt_state": opt})
+        if held is not None:
+            comm["mean"] = held
         return (anchor, outer_state, comm, sums) + ((seen,) if probed else ())
 
     def train_step(state, batch):
@@ -120,3 +131,28 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
         return new_state, metrics
 
     return train_step
+
+
+def outer_mean(spec, ctx):
+    """None (the outer average is one fp32 all-reduce), or with `plan.compression` the method's
+    compressed mean of the replicas' changes: `mean(changes, state) -> (Delta, state)` inside
+    the step's region over dp, each device on its own shards of every leaf (a `shard_map` over
+    the replica's axes), its state one slice per device (`TrainState.comm["mean"]`, [devices,
+    ...] leaves, [devices / dp, ...] inside the region)."""
+    if spec.compression == "none":
+        return None
+    from jaxscale.strategies import compression
+    method = compression.mean(spec)
+    inner = tuple(a for a in ctx.placement.mesh.axis_names if a != "dp")
+    specs = ctx.lay.specs.params
+    own = P(inner)
+
+    def mean(delta, state):
+        def run(d, st):
+            avg, st = method(d, None if st is None else jax.tree.map(lambda a: a[0], st), None)
+            return avg, None if st is None else jax.tree.map(lambda a: a[None], st)
+        st_specs = None if state is None else jax.tree.map(lambda _: own, state)
+        return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, st_specs),
+                             out_specs=(specs, st_specs), axis_names=set(inner),
+                             check_vma=False)(delta, state)
+    return mean
