@@ -70,12 +70,6 @@ REASONS: dict[str, str] = {
 PENDING: dict[tuple[str, str], str] = {
     ("optimizer offload", "DiLoCo"): "the replicas' inner optimizer states streamed through "
                                      "host memory as the plain step's are",
-    ("int8 compression", "DiLoCo"): "the outer average of the parameter changes through the "
-                                    "compressed mean (its state beside the replicas')",
-    ("PowerSGD", "DiLoCo"): "the outer average of the parameter changes through the "
-                            "compressed mean (its state beside the replicas')",
-    ("QAT fp8", "collective matmul"): "quantised operands through the tp ring",
-    ("QAT int8", "collective matmul"): "quantised operands through the tp ring",
 }
 
 
