@@ -2,6 +2,8 @@
 optimizers' formulas, the census (1/H of a parameter all-reduce, nothing else but the metrics),
 exact resume mid-period, and refusals."""
 import dataclasses
+import math
+import re
 
 import jax
 import numpy as np
@@ -9,8 +11,8 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import plan
-from jaxscale.analysis import inspect
+from jaxscale import plan, planner
+from jaxscale.analysis import hlo, inspect
 from jaxscale.analysis.validation import tiny_config
 from jaxscale.config import CheckpointConfig
 from jaxscale.strategies import local_sgd
@@ -277,6 +279,26 @@ def test_diloco_averages_its_parameter_changes_through_compression(method, diloc
     assert dp < {"int8": 0.3, "powersgd": 0.2}[method] * plain     # wire bytes over dp
     if method == "powersgd":        # its error feedback and Q, one slice per device
         assert "mean" in got.setup.init_state().comm
+
+
+def test_diloco_keeps_its_outer_state_in_host_memory(diloco_hsdp):
+    """`plan.offload=optimizer` with DiLoCo: the outer momentum (touched once every H steps)
+    lives in host memory between steps, as OpenDiLoCo keeps it on the CPU; 4 updates equal
+    DiLoCo's on the device bit for bit, and the program's host-resident entry parameters are
+    the outer momentum's leaves, the planner's host bytes."""
+    got = numerics.run((*HSDP, *DILOCO, "plan.offload=optimizer"), steps=4)
+    numerics.assert_matches(got, diloco_hsdp, dataclasses.replace(
+        numerics.FP32, grads=None, loss=0.0, params_max=0.0, params_mean=0.0,
+        why="the same program on the device; only where the outer state waits differs"))
+    outer = [x for x in jax.tree.leaves(got.setup.abstract_state().opt_state) if x.ndim]
+    assert outer and all(x.sharding.memory_kind == "pinned_host" for x in outer)
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", got.text).group(1)
+    host = [p for p in hlo._split_top(re.sub(r"/\*.*?\*/", "", layout)) if "S(5)" in p]
+    shards = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in outer)
+    assert len(host) == len(outer)
+    assert sum(hlo.nbytes(hlo.shapes(p)) for p in host) == shards
+    cfg = tiny_config(*HSDP, *DILOCO, "plan.offload=optimizer", *numerics.REAL_UPDATES)
+    assert planner.predict(cfg, 8).memory.host == {"optimizer": shards}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -67,10 +67,7 @@ REASONS: dict[str, str] = {
 #: refused pairs that an implementation could run and that are not built yet: (a, b) -> what
 #: it takes. `tests/test_composition.py` holds this list to what validation refuses, so it
 #: shrinks as they are built and cannot grow unnoticed.
-PENDING: dict[tuple[str, str], str] = {
-    ("optimizer offload", "DiLoCo"): "the replicas' inner optimizer states streamed through "
-                                     "host memory as the plain step's are",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def overrides(*names: str) -> tuple[str, ...]:

@@ -33,8 +33,13 @@ With pruning, each replica is masked after its inner update and the anchor after
 With `plan.compression` the average is the method's compressed mean of the changes
 (`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`), its collectives in
 place of the fp32 all-reduce (`compression.collectives`, at 1/H).
+With `plan.offload` the parts of the state it names live in host memory between steps: the
+outer optimizer's state ("optimizer": touched once every H steps, as OpenDiLoCo keeps it on the
+CPU), the anchor ("master", or "params" in fp32); they come to the device whole for the step
+(`outer_state_bytes`: what the planner moves). The replicas and their inner optimizer state, used
+by every inner step, stay on the device.
 Needs ZeRO 0: ZeRO would split over dp one optimizer state that the dp ranks no longer share
-(each replica has its own). Not with offload (the replicas update on the device).
+(each replica has its own).
 """
 from __future__ import annotations
 
@@ -79,9 +84,6 @@ def problems(spec) -> list[str]:
         errs.append(f"plan.local_sgd gives each dp rank its own replica and inner optimizer "
                     f"state; ZeRO-{spec.zero} would split one optimizer state over those ranks: "
                     f"use plan.zero=0 (mesh.fsdp shards each replica instead)")
-    if spec.offload != "none":
-        errs.append(f"plan.local_sgd updates the replicas on the device: set plan.offload=none "
-                    f"(not {spec.offload})")
     if m == "post_local" and spec.local_warmup < 1:
         errs.append("plan.local_sgd=post_local needs plan.local_warmup >= 1 synchronous steps "
                     "before it goes local (or use plan.local_sgd=local)")
@@ -127,6 +129,14 @@ def memory(spec) -> list[Term]:
     if mom > 0:
         out.append(Term("optimizer", 4 * size, "outer momentum (fp32)"))
     return out
+
+
+def outer_state_bytes(spec) -> float:
+    """Per-device bytes of the outer optimizer's state (`TrainState.opt_state`): the fp32 outer
+    momentum, or nothing for plain averaging."""
+    from jaxscale.strategies.tables.params import leaves
+    _, mom, _ = hparams(spec)
+    return 4 * sum(leaf.local_size(spec) for leaf in leaves(spec.model)) if mom > 0 else 0.0
 
 
 def label(spec) -> list[str]:

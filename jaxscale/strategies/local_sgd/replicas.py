@@ -99,6 +99,11 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
         with use_rules(mesh, placement.rules):
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             anchor = state.master if policy.master else state.params
+            outer_state = state.opt_state
+            if ctx.lay.memory_kinds:     # offloaded parts come to the device for the step
+                anchor = jax.device_put(anchor, ctx.device_sh.master if policy.master
+                                        else ctx.device_sh.params)
+                outer_state = jax.device_put(outer_state, ctx.device_sh.opt_state)
             rows = jax.tree.map(lambda _: P("dp"), batch)
             rep_specs = jax.tree.map(lambda _: P("dp"), state.comm)
             probed = () if probe is None else (probe.read(getattr(state, probe.field)),)
@@ -107,11 +112,11 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
                 return jax.tree.map(lambda _: P(), tree)
             out = jax.shard_map(
                 body, mesh=mesh, axis_names={"dp"}, check_vma=False,
-                in_specs=(P(), same(anchor), same(state.opt_state), rep_specs, rows, P())
+                in_specs=(P(), same(anchor), same(outer_state), rep_specs, rows, P())
                 + tuple(same(p) for p in probed),
-                out_specs=(same(anchor), same(state.opt_state), rep_specs, P())
+                out_specs=(same(anchor), same(outer_state), rep_specs, P())
                 + tuple(same(p) for p in probed))(
-                state.step, anchor, state.opt_state, state.comm, batch,
+                state.step, anchor, outer_state, state.comm, batch,
                 jnp.asarray(scale, jnp.float32), *probed)
             anchor, outer_state, comm, sums = out[:4]
         tokens = sums[1]

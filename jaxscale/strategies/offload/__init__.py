@@ -25,7 +25,7 @@ policy (`plan.remat=offload`), not here.
 """
 from __future__ import annotations
 
-from jaxscale.strategies import precision, zero
+from jaxscale.strategies import local_sgd, precision, zero
 from jaxscale.strategies.common import Term, problems_of
 from jaxscale.strategies.tables.params import leaves
 
@@ -77,11 +77,16 @@ def memory(spec) -> list[Term]:
     if not active(spec):
         return []
     state = precision.state_bytes(spec)
+    if spec.local_sgd != "none":        # its opt_state is the outer optimizer's
+        state = {**state, "optimizer": local_sgd.outer_state_bytes(spec)}
     out = []
     for part in PARTS:
         if part in parse(spec.offload):
             out += [Term(part, -state[part], f"{part} offloaded to host memory"),
                     Term("host", state[part], f"{part} in host memory", part=part)]
+    if spec.local_sgd != "none":        # local SGD's own step brings them over whole
+        return out + [Term("update", sum(state[p] for p in parse(spec.offload)),
+                           "the offloaded parts, on the device for local SGD's step")]
     return out + [Term("update", piece_bytes(spec),
                        "one streamed piece: a layer's state, its update, its fp32 gradient")]
 
