@@ -22,6 +22,11 @@ from typing import Iterable, Sequence
 #: Mesh axes, outer (slowest link) to inner (fastest link). Nothing else invents axis names.
 MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one entry of a PartitionSpec (None, an axis, or a tuple of axes)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
 #: Logical axes the models may use. `seq` is the sequence of the attention and MLP regions;
 #: `norm_seq` that of the residual stream and the norms between them (Megatron sequence
 #: parallelism splits it over tp where `seq` stays whole; context parallelism splits both over sp).

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxscale.axes import entry_axes
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import leaves
 
@@ -65,26 +66,20 @@ def shard_entries(partition, shape: tuple[int, ...], axis_sizes: dict[str, int],
     JAX (the planner's formulas read them)."""
     n = axis_sizes.get(axis, 1)
     entries = list(partition) + [None] * (len(shape) - len(partition))
-    if n == 1 or any(axis in _axes(e) for e in entries):
+    if n == 1 or any(axis in entry_axes(e) for e in entries):
         return entries
 
     def local(i):
-        return shape[i] // math.prod(axis_sizes[a] for a in _axes(entries[i]))
-    order = [i for i, e in enumerate(entries) if "fsdp" in _axes(e)]
+        return shape[i] // math.prod(axis_sizes[a] for a in entry_axes(entries[i]))
+    order = [i for i, e in enumerate(entries) if "fsdp" in entry_axes(e)]
     order += [i for i, e in enumerate(entries) if e is None]
     for i in order:
         if local(i) % n == 0:
-            nest = (_axes(entries[i]) + (axis,) if zero_stage < 3
-                    else (axis,) + _axes(entries[i]))
+            nest = (entry_axes(entries[i]) + (axis,) if zero_stage < 3
+                    else (axis,) + entry_axes(entries[i]))
             entries[i] = nest if entries[i] else axis
             return entries
     return entries
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclass(frozen=True)

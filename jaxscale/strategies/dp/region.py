@@ -32,12 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import MESH_AXES, manual, on_shards
+from jaxscale.axes import MESH_AXES, entry_axes, manual, on_shards
 from jaxscale.strategies.common import PROBE
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def scattered(spec: P, axes, ndim: int) -> P:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import suspended
+from jaxscale.axes import entry_axes, suspended
 from jaxscale.hooks.projection import plain
 from jaxscale.strategies.tp import COLUMN, ROW
 
@@ -211,9 +211,10 @@ def ring_of(site, names, mesh, rules, bidirectional) -> Ring:
     else:
         out_seq = _seq_dim(on, "norm_seq", o_spec, site, "output")
         x_seq = xn.index("seq")
-    gathered = tuple((d, tuple(a for a in _axes(e) if a != "tp"))
-                     for d, e in enumerate(w_spec) if any(a != "tp" for a in _axes(e)))
-    if any(_axes(w_spec[d])[-1:] != ("tp",) and "tp" in _axes(w_spec[d]) for d, _ in gathered):
+    gathered = tuple((d, tuple(a for a in entry_axes(e) if a != "tp"))
+                     for d, e in enumerate(w_spec) if any(a != "tp" for a in entry_axes(e)))
+    if any(entry_axes(w_spec[d])[-1:] != ("tp",) and "tp" in entry_axes(w_spec[d])
+           for d, _ in gathered):
         raise ValueError(f"collective matmul at {site}: the weight {wn} is split {w_spec}, tp "
                          f"not innermost on its dimension")
     return Ring(mesh, x_spec, w_spec, o_spec, x_seq, out_seq, gathered, column, bidirectional)
@@ -279,7 +280,3 @@ def project(eq, x, w, site, names, mesh, rules, bidirectional=False, impl=None, 
         return plain(eq, x, w, **kw)
     return project_group(eq, x, (w,), (site,), (names,), mesh, rules, bidirectional, impl,
                          **kw)[0]
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())

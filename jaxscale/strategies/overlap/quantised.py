@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.axes import entry_axes
 from jaxscale.strategies.overlap.collective_matmul import (
     allgather_contract,
     allgather_matmul,
@@ -60,6 +61,8 @@ def _contracted_free(spec: tuple, dims) -> P:
 
 # ----------------------------------------------------------------------------- int8
 def int8_rings(rings, eq: str, x, ws, sites) -> tuple:
+    """The group's matmuls through its ring on int8 operands (the module docstring); the
+    backward straight-through, the plain ring's."""
     r = rings[0]
     cx, cw, _ = numerics._dims(eq)
     ring_kw = dict(x_seq=r.x_seq, out_seq=r.out_seq, bidirectional=r.bidirectional)
@@ -112,14 +115,10 @@ def _as(a, dtype):
     return lax.bitcast_convert_type(a, dtype)
 
 
-def _axes(entry) -> tuple:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _reduce_weight_grad(ring, dw):
     """The local weight gradient (over this device's batch rows) summed over the data axes x is
     split on, and reduce-scattered back to the weight's shards over those it was gathered on."""
-    split = {a for e in ring.x_spec for a in _axes(e)} - {"tp"}
+    split = {a for e in ring.x_spec for a in entry_axes(e)} - {"tp"}
     gathered = {a for _, axes in ring.gathered for a in axes}
     if split - gathered:
         dw = lax.psum(dw, tuple(sorted(split - gathered)))
@@ -135,6 +134,9 @@ def _reduce_weight_grad(ring, dw):
 
 
 def fp8_rings(rings, eq: str, x, ws, sites) -> tuple:
+    """The group's matmuls through its ring on e4m3 operands, their backward on e5m2 gradients
+    (the module docstring); each site's scales from its layer's row of the amax histories (or
+    just in time), the amaxes seen their cotangent."""
     from jaxscale.hooks.projection import layer_input
     r = rings[0]
     layer = layer_input()         # this layer's [slots] divisors (delayed scaling), or None

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import re
 
-from jaxscale.axes import MESH_AXES
+from jaxscale.axes import MESH_AXES, entry_axes
 from jaxscale.strategies import zero
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import STACKED, contracted_axes, is_lookup, leaves
@@ -96,13 +96,13 @@ def problems(spec) -> list[str]:
             ax = _group_axis(leaf.axes)
             dim, name = leaf.shape[ax], leaf.axes[ax]
             entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
-            split = math.prod(spec.deg(a) for a in _entry_axes(entries[ax]))
+            split = math.prod(spec.deg(a) for a in entry_axes(entries[ax]))
             if dim % m:
                 errs.append(f"plan.prune={n}:{m} groups {m} consecutive weights along "
                             f"{leaf.path}'s contracted axis '{name}' (size {dim}), which is not "
                             f"divisible by {m}: use another M or model size")
             elif (dim // split) % m:
-                over = ", ".join(_entry_axes(entries[ax]))
+                over = ", ".join(entry_axes(entries[ax]))
                 errs.append(f"plan.prune={n}:{m}: {leaf.path}'s axis '{name}' (size {dim}) is "
                             f"split {split} ways over the mesh ({over}), leaving "
                             f"{dim / split:g} per device: {m}-groups would straddle shards; use "
@@ -140,7 +140,7 @@ def collectives(spec) -> list[Comm]:
         if not axes:
             continue
         size = math.prod(d if n not in STACKED else
-                         d / math.prod(spec.deg(a) for a in _entry_axes(e))
+                         d / math.prod(spec.deg(a) for a in entry_axes(e))
                          for d, n, e in zip(leaf.shape, leaf.axes, entries))
         row = out.setdefault(axes, [0.0, 0])
         row[0] += item * size * per_step
@@ -200,13 +200,9 @@ def mask(w, names, kind, sparsity=None):
     return nm_mask(w, names, n, m)
 
 
-def _entry_axes(e) -> tuple[str, ...]:
-    return (e,) if isinstance(e, str) else tuple(e or ())
-
-
 def _own_split(names, entries, sizes) -> tuple[str, ...]:
     """Mesh axes (size > 1, mesh order) splitting a weight's own, non-stacked dimensions."""
-    used = {a for n, e in zip(names, entries) if n not in STACKED for a in _entry_axes(e)}
+    used = {a for n, e in zip(names, entries) if n not in STACKED for a in entry_axes(e)}
     return tuple(a for a in MESH_AXES if a in used and sizes.get(a, 1) > 1)
 
 
@@ -223,7 +219,7 @@ def _local_mask(w, names, kind, s, entries, axes, sizes):
     full = full.reshape(tuple(sizes[a] for a in axes) + w.shape)  # [s_a1, .., *block]
     perm, shape, starts = [], [], []
     for d, e in enumerate(entries):
-        mine = [a for a in _entry_axes(e) if a in axes]          # major to minor
+        mine = [a for a in entry_axes(e) if a in axes]          # major to minor
         perm += [axes.index(a) for a in mine] + [len(axes) + d]
         shape.append(w.shape[d] * math.prod(sizes[a] for a in mine))
         idx = jnp.int32(0)

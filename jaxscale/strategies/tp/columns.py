@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import active, manual, on_shards
+from jaxscale.axes import active, entry_axes, manual, on_shards
 from jaxscale.hooks.projection import project
 
 AXIS = "tp"
@@ -30,7 +30,7 @@ def _only(spec, ndim: int, axes) -> P:
     told)."""
     out = []
     for e in tuple(spec) + (None,) * (ndim - len(spec)):
-        kept = tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a in axes)
+        kept = tuple(a for a in entry_axes(e) if a in axes)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*out)
 
@@ -42,7 +42,7 @@ def columns(eq, x, ws, sites, names, mesh, rules):
     each sp shard)."""
     full = tuple(rules.spec(names[0][0])) + (None,) * x.ndim
     seq = [d for d, e in enumerate(full[:x.ndim])
-           if AXIS in ((e,) if isinstance(e, str) else tuple(e or ()))]
+           if AXIS in entry_axes(e)]
     axes = (AXIS,) if not seq else tuple((full[seq[0]],) if isinstance(full[seq[0]], str)
                                          else full[seq[0]])
     x_spec = _only(full[:x.ndim], x.ndim, axes)
