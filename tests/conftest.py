@@ -1,6 +1,8 @@
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # 8 simulated CPU devices; must be set before jax is imported anywhere. The suite's time is XLA
@@ -10,12 +12,27 @@ import tempfile
 # same, so census and compiled memory are too. Together they compile a step about 2x faster.
 # (The direct emitter may round a transcendental in the last bit differently in two differently
 # partitioned programs: tests comparing two programs' random initialisations allow that.)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0"
-                           " --xla_llvm_disable_expensive_passes=true"
-                           " --xla_cpu_use_fusion_emitters=false"
-                           ).strip()
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_use_fusion_emitters=false")
+
+
+def _fast_compile() -> str:
+    """The flags of `FAST_COMPILE`, if this jaxlib knows them (XLA aborts on an unknown flag), else
+    none: asked once, in a subprocess, by the session's first process; its workers inherit the
+    answer."""
+    if "JAXSCALE_TESTS_FAST_COMPILE" not in os.environ:
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                               env={**os.environ, "XLA_FLAGS": " ".join(FAST_COMPILE),
+                                    "JAX_PLATFORMS": "cpu"}, capture_output=True)
+        os.environ["JAXSCALE_TESTS_FAST_COMPILE"] = (" ".join(FAST_COMPILE)
+                                                     if probe.returncode == 0 else "")
+    return os.environ["JAXSCALE_TESTS_FAST_COMPILE"]
+
+
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""),
+                                                   "--xla_force_host_platform_device_count=8",
+                                                   _fast_compile()) if f)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests compile the same program (the same plan's init and step on the same tiny model): one
