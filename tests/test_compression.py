@@ -312,8 +312,6 @@ def test_plan_compression_tracks_one_device_and_its_census_is_the_formula(method
 @pytest.mark.parametrize("overrides, message", [
     (("mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1"),
      "compresses the gradient mean over mesh.dp, but mesh.dp=1"),
-    (("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "plan.accumulate=2", "plan.grad_sync=microbatch"),
-     "reduces the step's accumulated gradients over dp once"),
     (("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "plan.compression_rank=500"),
      "leaves no gradient matrix to compress"),
 ])

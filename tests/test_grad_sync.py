@@ -90,3 +90,29 @@ def test_the_once_per_step_accumulator_shows_in_compiled_temp_as_the_planner_pre
         predicted[mode] = planner_memory.estimate(plan_lib.Spec.from_config(cfg, 8)).total
     grew, said = temp["step"] - temp["auto"], predicted["step"] - predicted["auto"]
     assert said > 0 and grew == pytest.approx(said, rel=0.25), (grew, said)
+
+
+@pytest.mark.parametrize("method", ["int8", "powersgd", "sparse embedding"])
+def test_a_strategys_own_mean_once_per_micro_batch(method):
+    """`plan.grad_sync=microbatch` with compression or the sparse embedding exchange on HSDP:
+    the data region loops over the 4 micro-batches, each one's gradients through the strategy's
+    mean over dp (its state threaded through), the means weighted by their tokens: 3 updates
+    track one device within the method's tolerance (the sparse exchange is exact), and the
+    census is the formula row by row; compression's bytes over dp are 4 times the once-per-step
+    mode's."""
+    own = {"int8": ("plan.compression=int8",),
+           "powersgd": ("plan.compression=powersgd", "plan.compression_rank=2"),
+           "sparse embedding": ("plan.sparse_embedding=true",)}[method]
+    plan = (*HSDP, *ACC4, *own)
+    got = numerics.run((*plan, "plan.grad_sync=microbatch"))
+    numerics.assert_matches(got, numerics.one_device(*ACC4), numerics.COMPRESSION.get(
+        method.split()[0], numerics.FP32))
+    cfg = tiny_config(*plan, "plan.grad_sync=microbatch", *numerics.REAL_UPDATES)
+    rows = _rows(got.text, cfg)
+    for r in rows.values():
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
+    if method != "sparse embedding":
+        once = plan_lib.Spec.from_config(tiny_config(*plan, *numerics.REAL_UPDATES), 8)
+        per_step = sum(c.bytes for c in plan_lib.collectives(once) if c.axes == ("dp",))
+        over_dp = sum(r["census_bytes"] for (_, axes), r in rows.items() if axes == ("dp",))
+        assert over_dp == pytest.approx(4 * per_step, rel=1e-3)

@@ -59,9 +59,20 @@ def label(spec) -> list[str]:
 
 
 def shape_step(spec, parts) -> None:
-    """The step: the gradients summed over the plan's micro-batches (`grads`)."""
+    """The step: the gradients summed over the plan's micro-batches (`grads`); one at a time
+    when the data region loops over them itself (`region_loops`)."""
     import functools
-    parts.set("accumulate", functools.partial(grads, k=max(1, spec.accumulate)), by=NAME)
+    k = 1 if region_loops(spec) else max(1, spec.accumulate)
+    parts.set("accumulate", functools.partial(grads, k=k), by=NAME)
+
+
+def region_loops(spec) -> bool:
+    """Whether the data region loops over the micro-batches itself: a strategy's own mean over
+    dp (gradient compression, the sparse embedding exchange) once per micro-batch
+    (`plan.grad_sync=microbatch`), so the grads function takes one micro-batch at a time."""
+    return (spec.accumulate > 1 and spec.grad_sync == "microbatch" and spec.deg("dp") > 1
+            and spec.local_sgd == "none"
+            and (spec.compression != "none" or bool(spec.sparse_embedding)))
 
 
 def split(batch: dict, k: int) -> dict:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import compression
+from jaxscale.strategies import compression, dp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import leaves
 
@@ -48,8 +48,10 @@ def vocab_split(spec) -> int:
 
 
 def rows(spec) -> int:
-    """R: the static number of rows a device sends, min(B_dp x T, V / its vocabulary split)."""
-    return int(min(spec.batch / spec.deg("dp") * spec.seq,
+    """R: the static number of rows a device sends, min(B_dp x T, V / its vocabulary split),
+    B_dp its rows of the batch (of a micro-batch, when the exchange runs once per micro-batch:
+    `dp.mean_runs`)."""
+    return int(min(spec.batch / spec.deg("dp") / dp.mean_runs(spec) * spec.seq,
                    spec.model.padded_vocab // vocab_split(spec)))
 
 
@@ -84,14 +86,16 @@ def collectives(spec) -> list[Comm]:
     n, R = spec.deg("dp"), rows(spec)
     table = _table(spec)
     d_local = table.local_shape(spec)[1]
-    out = [Comm("all-gather", ("dp",), 4 * n * R * (d_local + 1), 2,
-                f"embedding gradient: {R} touched row ids (int32) and rows (fp32) per device",
+    runs = dp.mean_runs(spec)
+    out = [Comm("all-gather", ("dp",), 4 * n * R * (d_local + 1) * runs, 2 * runs,
+                f"embedding gradient: {R} touched row ids (int32) and rows (fp32) per device"
+                + (f", once per micro-batch ({runs})" if runs > 1 else ""),
                 group=n, overlap=True)]
     if spec.compression != "none":
         return out            # the other gradients: compression's rows
     rest = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.use != "embedding")
-    return out + [Comm("all-reduce", ("dp",), 4 * rest, 1, "the other gradients' mean",
-                       group=n, overlap=True)]
+    return out + [Comm("all-reduce", ("dp",), 4 * rest * runs, runs,
+                       "the other gradients' mean", group=n, overlap=True)]
 
 
 def dense_bytes(spec) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxscale.strategies import dp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.compression import formulas
 from jaxscale.strategies.compression.formulas import STATEFUL, is_matrix
@@ -95,6 +96,11 @@ def collectives(spec) -> list[Comm]:
         return []
     rows = formulas.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
                                 **params(spec))
+    runs = dp.mean_runs(spec)
+    if runs > 1:                    # plan.grad_sync=microbatch: once per micro-batch
+        rows = [dataclasses.replace(r, bytes=r.bytes * runs, count=r.count * runs,
+                                    what=f"{r.what}, once per micro-batch ({runs})")
+                for r in rows]
     if spec.local_sgd != "none":    # the replicas' parameter changes, once every H steps
         H = max(1, spec.local_steps)
         rows = [dataclasses.replace(r, bytes=r.bytes / H, what=f"{r.what}: local SGD's outer "

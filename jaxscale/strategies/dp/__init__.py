@@ -22,8 +22,10 @@ denominator). When the gradients are reduced is `plan.grad_sync` (`sync_axes`):
 With one micro-batch they are the same program. A once-per-step reduction runs the step's
 gradients in the data region (`region.py`, `jax.shard_map` manual over those axes, the others
 GSPMD's) and reduces there once: a psum over `dp` of each device's shard, a psum_scatter over
-the axes a parameter is split on. Gradient compression and the sparse embedding exchange always
-reduce `dp` once per step, there, with their own mean.
+the axes a parameter is split on. Gradient compression and the sparse embedding exchange reduce
+`dp` there with their own mean: once per step, or with `microbatch` once per micro-batch (the
+region loops over the micro-batches, their means weighted by their tokens: k times the method's
+bytes, for its error per micro-batch; `mean_runs`).
 
 A per-micro-batch reduction is XLA's: a matmul weight is reduce-scattered over `fsdp` at its
 fsdp-gathered size, then all-reduced over the remaining data axes at its shard size (HSDP); a
@@ -42,6 +44,7 @@ from collections import defaultdict
 
 from jaxscale.axes import MESH_AXES
 from jaxscale.strategies import pp
+from jaxscale.strategies.accumulate import region_loops
 from jaxscale.strategies.common import Comm, Term
 
 NAME = "dp"
@@ -57,6 +60,12 @@ def active(spec) -> bool:
 def own_mean(spec) -> bool:
     """A strategy computes the gradient mean over dp itself (compression, sparse embedding)."""
     return spec.compression != "none" or bool(spec.sparse_embedding)
+
+
+def mean_runs(spec) -> int:
+    """How many times per step a strategy's own mean over dp runs: once, or with
+    `plan.grad_sync=microbatch` once per micro-batch (`accumulate.region_loops`)."""
+    return max(1, spec.accumulate) if region_loops(spec) else 1
 
 
 def split_axes(spec) -> tuple[str, ...]:
@@ -88,11 +97,6 @@ def problems(spec) -> list[str]:
                     f"{names} = {spec.data_degree}: use a multiple of {spec.data_degree}")
     if spec.grad_sync not in SYNC_MODES:
         errs.append(f"plan.grad_sync={spec.grad_sync!r}: valid are {', '.join(SYNC_MODES)}")
-    elif spec.grad_sync == "microbatch" and own_mean(spec) and spec.accumulate > 1:
-        what = (f"plan.compression={spec.compression}" if spec.compression != "none"
-                else "plan.sparse_embedding")
-        errs.append(f"plan.grad_sync=microbatch with {what}: it reduces the step's accumulated "
-                    f"gradients over dp once, with its own mean; set plan.grad_sync=auto")
     return errs
 
 
@@ -222,7 +226,8 @@ def collectives(spec) -> list[Comm]:
     region = sync_axes(spec)
     scalar_axes = _axes(spec, region or data)
     if scalar_axes:
-        out.append(Comm("all-reduce", scalar_axes, 8 if region else 4, 1,
+        runs = mean_runs(spec)       # the region run once per micro-batch: its sums too
+        out.append(Comm("all-reduce", scalar_axes, (8 if region else 4) * runs, runs,
                         "loss and token count" if region else "token count (the loss "
                         "denominator)", group=_group(spec, scalar_axes)))
     return out
@@ -267,5 +272,6 @@ def shape_step(spec, parts) -> None:
         from jaxscale.strategies.dp import region
         mean = parts.mean
         return region.make(grads_fn, ctx, axes, mean=None if mean is None else mean(ctx),
-                           mean_axes=("dp",) if mean is not None else ())
+                           mean_axes=("dp",) if mean is not None else (),
+                           micro_batches=mean_runs(spec))
     parts.set("reduce", reduce, by=NAME)

@@ -82,12 +82,16 @@ def _scatter_or_sum(g, spec: P, axes, manual_axes):
     return jax.lax.psum(g, rest) if rest else g
 
 
-def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, ...] = ()):
+def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, ...] = (),
+         micro_batches: int = 1):
     """(params, batch, scale, state, *extra) -> (mean gradients, loss, tokens, stats, state):
     `grads_fn` (`train.grads.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
     parameters, passed on to it) run manual over `axes`, its gradients reduced once (see the
     module docstring). `ctx` is the step's context (its placement, state layout and parts);
-    `mean` reduces over `mean_axes` (a subset of `axes`) in place of the exact sum."""
+    `mean` reduces over `mean_axes` (a subset of `axes`) in place of the exact sum, once, or
+    with `micro_batches` = k > 1 once per micro-batch (`grads_fn` then takes one micro-batch:
+    the region runs k times in a loop, its state threaded through, the means weighted by their
+    micro-batch's real tokens)."""
     placement, lay = ctx.placement, ctx.lay
     mesh, parts = placement.mesh, ctx.parts
     axes = tuple(a for a in MESH_AXES if a in axes)
@@ -150,7 +154,7 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
         avg, local = mean(jax.tree.map(lambda g: g[0], grads), local, inputs)
         return avg, None if local is None else jax.tree.map(lambda a: a[None], local)
 
-    def run(params, batch, scale, state, *extra):
+    def once(params, batch, scale, state, *extra):
         grads, loss, total, stats = region(params, batch, scale, *extra)
         st = None if state is None else jax.tree.map(lambda _: stacked_spec(), state)
         avg, state = jax.shard_map(
@@ -158,7 +162,42 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
             in_specs=(stacked_in, st, P(mean_axes)), out_specs=(shard_specs, st))(
             grads, state, batch["inputs"])
         return avg, loss, total, stats, state
+    if micro_batches == 1:
+        return once
+
+    def run(params, batch, scale, state, *extra):
+        from jaxscale.strategies.accumulate import split
+
+        def body(carry, micro):
+            acc, state = carry
+            avg, loss, total, stats, state = once(params, micro, scale, state, *extra)
+            seen = stats.pop(PROBE, None)
+            part = (jax.tree.map(lambda g: g.astype(jnp.float32) * total, avg), loss * total,
+                    total, stats, seen)
+            return (part if acc is None else _combine(acc, part, probe), state), None
+        first = jax.tree.map(lambda x: x[0], split(batch, micro_batches))
+        shapes = jax.eval_shape(lambda: body((None, state), first)[0][0])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        if zeros[4] is not None:        # a probe's cotangent starts from its combine's unit
+            zeros = zeros[:4] + (jax.tree.map(lambda z: z - jnp.inf, zeros[4])
+                                 if probe.combine is jnp.maximum else zeros[4],)
+        (acc, state), _ = jax.lax.scan(lambda c, m: body(c, m), (zeros, state),
+                                       split(batch, micro_batches))
+        grads, loss, total, stats, seen = acc
+        denom = jnp.where(total > 0, total, 1.0)
+        stats = jax.tree.map(lambda s: s / micro_batches, stats)
+        if seen is not None:
+            stats[PROBE] = seen
+        return (jax.tree.map(lambda g: g / denom, grads), loss / denom, total, stats, state)
     return run
+
+
+def _combine(acc, part, probe):
+    """Micro-batch sums: gradients, loss and tokens added, statistics added (averaged at the
+    end), a probe's cotangent combined by its own operation."""
+    summed = tuple(jax.tree.map(jnp.add, a, b) for a, b in zip(acc[:4], part[:4]))
+    seen = None if part[4] is None else jax.tree.map(probe.combine, acc[4], part[4])
+    return summed + (seen,)
 
 
 def _all(op, x, axes):
