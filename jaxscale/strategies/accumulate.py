@@ -64,6 +64,7 @@ def shape_step(spec, parts) -> None:
     import functools
     k = 1 if region_loops(spec) else max(1, spec.accumulate)
     parts.set("accumulate", functools.partial(grads, k=k), by=NAME)
+    parts.set("micro_batches", k, by=NAME)
 
 
 def region_loops(spec) -> bool:

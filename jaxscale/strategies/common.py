@@ -86,6 +86,8 @@ PARTS = {
     "batch_seq": "sp: the logical axis of the batch's sequence dimension (None: whole)",
     "accumulate": "accumulate: (loss fn, params, batch, combine=None) -> (gradients, aux), "
                   "summed over the micro-batches",
+    "micro_batches": "accumulate: how many micro-batches the grads function sums over (1 when "
+                     "the data region loops over them itself)",
     "grads": "pp: (model, placement, block_wrapper, forward_only=False) -> the grads function",
     "probe": "qat: a `Probe`, inputs of the model whose cotangents the step reads",
     "reduce": "dp: (grads fn, step context) -> the grads fn run in the data region and reduced "
@@ -139,6 +141,7 @@ class StepParts:
     batch_view: Callable | None = None
     batch_seq: str | None = "seq"
     accumulate: Callable | None = None
+    micro_batches: int = 1
     grads: Callable | None = None
     probe: Probe | None = None
     reduce: Callable | None = None

@@ -105,7 +105,7 @@ def plan_grads_fn(model, placement, parts, with_stats: bool = False, distill=Non
     if parts.grads is not None:
         fn = parts.grads(model, placement, parts.block_wrapper)
         return fn if with_stats else (lambda *a: fn(*a)[:3])
-    return make_grads_fn(model, parts, max(1, placement.spec.accumulate), with_stats, distill)
+    return make_grads_fn(model, parts, parts.micro_batches, with_stats, distill)
 
 
 def stat_names(model, distill=None) -> tuple[str, ...]:
