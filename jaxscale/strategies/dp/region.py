@@ -181,8 +181,7 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
         if zeros[4] is not None:        # a probe's cotangent starts from its combine's unit
             zeros = zeros[:4] + (jax.tree.map(lambda z: z - jnp.inf, zeros[4])
                                  if probe.combine is jnp.maximum else zeros[4],)
-        (acc, state), _ = jax.lax.scan(lambda c, m: body(c, m), (zeros, state),
-                                       split(batch, micro_batches))
+        (acc, state), _ = jax.lax.scan(body, (zeros, state), split(batch, micro_batches))
         grads, loss, total, stats, seen = acc
         denom = jnp.where(total > 0, total, 1.0)
         stats = jax.tree.map(lambda s: s / micro_batches, stats)
