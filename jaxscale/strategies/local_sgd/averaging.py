@@ -47,19 +47,24 @@ def syncs(steps: int, local_steps: int, warmup: int = 0) -> int:
     return w + (steps - w) // local_steps
 
 
-def outer_step(anchor, replica, outer_state, outer, axis: str, n: int, mean=None):
+def changes(anchor, replica):
+    """The fp32 change anchor - replica of each leaf."""
+    return jax.tree.map(lambda a, r: a.astype(jnp.float32) - r.astype(jnp.float32),
+                        anchor, replica)
+
+
+def outer_step(anchor, replica, outer_state, outer, axis: str, n: int):
     """Inside `jax.shard_map` over `axis` (n devices): one all-reduce of the fp32 changes
     anchor - replica, their mean Delta, and the outer optimizer's move of the anchor.
 
     `anchor` (replicated) and `replica` (this device's) are trees of the same structure; returns
-    (new anchor in the anchor's dtypes, new outer state). Every device computes the same.
-    `mean(changes) -> Delta`, if given, replaces the all-reduce (a compressed mean)."""
-    delta = jax.tree.map(lambda a, r: a.astype(jnp.float32) - r.astype(jnp.float32),
-                         anchor, replica)
-    if mean is None:
-        delta = jax.tree.map(lambda d: d / n, jax.lax.psum(delta, axis))
-    else:
-        delta = mean(delta)
+    (new anchor in the anchor's dtypes, new outer state). Every device computes the same."""
+    delta = jax.tree.map(lambda d: d / n, jax.lax.psum(changes(anchor, replica), axis))
+    return outer_move(anchor, delta, outer_state, outer)
+
+
+def outer_move(anchor, delta, outer_state, outer):
+    """The outer optimizer's move of the anchor by the mean change Delta (however averaged)."""
     updates, outer_state = outer.update(delta, outer_state, anchor)
     new = jax.tree.map(lambda a, u: (a.astype(jnp.float32) + u).astype(a.dtype), anchor, updates)
     return new, outer_state

@@ -61,18 +61,16 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
 
         def local_then_average(args):           # 1: and the average into the anchor
             anchor, outer_state, rep, opt, held = local(args)
-            box = [held]
-
-            def through(delta):                 # the compressed mean, its state kept
-                avg, box[0] = mean(delta, held)
-                return avg
-            new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n,
-                                                    None if mean is None else through)
+            if mean is None:
+                new, outer_state = averaging.outer_step(anchor, rep, outer_state, outer, "dp", n)
+            else:                               # the compressed mean, its state kept
+                delta, held = mean(averaging.changes(anchor, rep), held)
+                new, outer_state = averaging.outer_move(anchor, delta, outer_state, outer)
             if after is not None:               # the average of masked replicas, masked
                 with manual(("dp",)):
                     new = after(new, step + 1)
             return (new, outer_state, jax.tree.map(lambda a: a.astype(jnp.float32), new), opt,
-                    box[0])
+                    held)
 
         def synchronous(args):                  # 2: DP's step: the token-mean gradient of all
             anchor, outer_state, rep, opt, held = args
