@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from jaxscale.axes import constrain
 from jaxscale.strategies import zero
-from jaxscale.strategies.common import Term
+from jaxscale.strategies.common import Term, own_mean
 
 NAME = "accumulate"
 AVAILABLE = True
@@ -72,8 +72,7 @@ def region_loops(spec) -> bool:
     dp (gradient compression, the sparse embedding exchange) once per micro-batch
     (`plan.grad_sync=microbatch`), so the grads function takes one micro-batch at a time."""
     return (spec.accumulate > 1 and spec.grad_sync == "microbatch" and spec.deg("dp") > 1
-            and spec.local_sgd == "none"
-            and (spec.compression != "none" or bool(spec.sparse_embedding)))
+            and spec.local_sgd == "none" and own_mean(spec))
 
 
 def split(batch: dict, k: int) -> dict:

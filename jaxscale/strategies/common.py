@@ -170,6 +170,12 @@ class StepParts:
         return self
 
 
+def own_mean(spec) -> bool:
+    """A strategy computes the gradient mean over dp itself (gradient compression, the sparse
+    embedding exchange) in place of the exact sum."""
+    return spec.compression != "none" or bool(spec.sparse_embedding)
+
+
 def keep_if_finite(finite, new, old):
     """The new values where the step was finite, else the old ones: a select, for values the
     step computes anyway (the loss scale, error-feedback residuals, a streamed piece of state)."""

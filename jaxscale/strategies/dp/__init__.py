@@ -45,7 +45,7 @@ from collections import defaultdict
 from jaxscale.axes import MESH_AXES
 from jaxscale.strategies import pp
 from jaxscale.strategies.accumulate import region_loops
-from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.common import Comm, Term, own_mean
 
 NAME = "dp"
 AVAILABLE = True
@@ -55,11 +55,6 @@ SYNC_MODES = ("auto", "step", "microbatch")
 
 def active(spec) -> bool:
     return spec.deg("dp") > 1
-
-
-def own_mean(spec) -> bool:
-    """A strategy computes the gradient mean over dp itself (compression, sparse embedding)."""
-    return spec.compression != "none" or bool(spec.sparse_embedding)
 
 
 def mean_runs(spec) -> int:
