@@ -46,6 +46,8 @@ nor with mixtures of experts (the experts' matmuls do not go through the project
 """
 from __future__ import annotations
 
+import math
+
 from jaxscale.hooks import register
 from jaxscale.hooks.projection import plain
 from jaxscale.strategies.common import Comm, Term
@@ -105,24 +107,20 @@ def collectives(spec) -> list[Comm]:
     each, in the forward. (Scalar amax all-reduces are left out.)"""
     if not active(spec) or spec.qat != "int8" or spec.deg("tp") == 1:
         return []
-    from jaxscale.strategies.tables.params import leaves
     L, t = spec.model.n_layers, spec.deg("tp")
     n = 2 * L
     tokens = spec.local_batch * spec.local_seq
-    m = spec.model
-    contracted = {"wo": m.n_heads * m.hd / t, "w_down": m.ffn_dim / t}
-    channels = sum(leaf.local_size(spec) / L / contracted[leaf.path.split("/")[-1]]
-                   for leaf in leaves(m) if leaf.path.split("/")[-1] in contracted)
+    weights = _quantised(spec)
+    rows = [leaf for leaf in weights if _split_by(spec, leaf, True, "tp")]      # wo, w_down
     out = [Comm("all-reduce", ("tp",), 4 * tokens * n, n,
                 "int8 QAT: per-token scales of wo and w_down inputs (max)", group=t),
-           Comm("all-reduce", ("tp",), 4 * channels * L, n,
+           Comm("all-reduce", ("tp",), 4 * sum(_channels(spec, x) for x in rows), n,
                 "int8 QAT: per-channel scales of wo and w_down (max)", group=t)]
     f = spec.deg("fsdp")
     if f > 1 and spec.tp_overlap != "none":
         # the weights quantised before the ring's region gathers them: a channel's scale is a
         # max over its contraction, which fsdp splits for the column-parallel weights
-        split = [leaf for leaf in leaves(m) if leaf.path.split("/")[-1] in QUANTISED_SITES
-                 and _split_by(spec, CONTRACTED[leaf.path.split("/")[-1]], "fsdp")]
+        split = [leaf for leaf in weights if _split_by(spec, leaf, True, "fsdp")]
         if split:
             out.append(Comm("all-reduce", ("fsdp",), 4 * sum(_channels(spec, x) for x in split),
                             L, "int8 QAT: per-channel scales of weights whose contraction fsdp "
@@ -130,23 +128,32 @@ def collectives(spec) -> list[Comm]:
     return out
 
 
-#: the logical axes each quantised weight contracts (its per-channel scales span the others)
-CONTRACTED = {"wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("heads", "head_dim"),
-              "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",)}
+def _quantised(spec) -> list:
+    """The block weights this strategy quantises (`QUANTISED_SITES`), as parameter leaves."""
+    from jaxscale.strategies.tables.params import leaves
+    return [leaf for leaf in leaves(spec.model) if leaf.path.split("/")[-1] in QUANTISED_SITES]
+
+
+def _contracted(leaf, contracted: bool) -> list[int]:
+    """A weight's contracted dimensions (its input: `tables.params.contracted_axes`), or the
+    others (its channels, those of its per-channel scales; the layers axis left out)."""
+    from jaxscale.strategies.tables.params import STACKED, contracted_axes
+    into = contracted_axes(leaf.axes)
+    return [d for d, ax in enumerate(leaf.axes)
+            if ax not in STACKED and (d in into) == contracted]
 
 
 def _channels(spec, leaf, drop=()) -> float:
-    """Local elements of a weight's per-channel scales (its non-contracted dimensions)."""
-    kept = [n for n, ax in zip(leaf.local_shape(spec, drop), leaf.axes)
-            if ax not in CONTRACTED[leaf.path.split("/")[-1]]]
-    out = 1.0
-    for n in kept:
-        out *= n
-    return out
+    """Local elements of a weight's per-channel scales, over all its layers."""
+    shape = leaf.local_shape(spec, drop)
+    return float(math.prod(shape[d] for d, ax in enumerate(leaf.axes)
+                           if d not in _contracted(leaf, True)))
 
 
-def _split_by(spec, axes, mesh_axis: str) -> bool:
-    return any(mesh_axis in spec.rules.table.get(a, ()) for a in axes)
+def _split_by(spec, leaf, contracted: bool, mesh_axis: str) -> bool:
+    """Whether `mesh_axis` splits the weight's contracted (or channel) dimensions."""
+    return any(mesh_axis in spec.rules.table.get(leaf.axes[d], ())
+               for d in _contracted(leaf, contracted))
 
 
 def ring_gathers(spec, leaf) -> tuple[float, float] | None:
@@ -155,14 +162,13 @@ def ring_gathers(spec, leaf) -> tuple[float, float] | None:
     forward 1 byte per element (int8 with its per-channel fp32 scales where fsdp splits a channel
     dimension); backward fp8's e4m3 again, int8's straight-through backward the compute dtype.
     None for any other leaf or plan (the compute dtype, `fsdp.collectives`)."""
-    site = leaf.path.split("/")[-1]
-    if not active(spec) or spec.tp_overlap == "none" or site not in QUANTISED_SITES:
+    if (not active(spec) or spec.tp_overlap == "none"
+            or leaf.path.split("/")[-1] not in QUANTISED_SITES):
         return None
     elements = leaf.local_size(spec, drop=("fsdp",))
     if spec.qat == "fp8":
         return elements, elements
-    channel_axes = [a for a in leaf.axes if a not in CONTRACTED[site] and a != "layers"]
-    scales = 4 * _channels(spec, leaf, ("fsdp",)) if _split_by(spec, channel_axes, "fsdp") else 0
+    scales = 4 * _channels(spec, leaf, ("fsdp",)) if _split_by(spec, leaf, False, "fsdp") else 0
     return elements + scales, elements * spec.wire_param_itemsize
 
 
