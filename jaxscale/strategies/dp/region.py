@@ -68,7 +68,7 @@ def stack_local(tree, n_devices: int):
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + a.shape), tree)
 
 
-def _scatter_or_sum(g, spec: P, axes, manual_axes):
+def scatter_or_sum(g, spec: P, axes, manual_axes):
     """The sum of `g` over `axes`: scattered back along the dimensions `scattered` keeps, summed
     over the rest."""
     done = []
@@ -118,7 +118,7 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
         # mean over the mean axes, for the strategy's mean)
         share = ntok * n_mean / jnp.where(total > 0, total, 1.0)
         grads = jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        grads = jax.tree.map(lambda g, sp: _scatter_or_sum(g, sp, summed, axes), grads, back)
+        grads = jax.tree.map(lambda g, sp: scatter_or_sum(g, sp, summed, axes), grads, back)
         if mean is not None:
             grads = jax.tree.map(lambda g: g[None], grads)
         seen = stats.pop(PROBE, None)

@@ -93,17 +93,9 @@ def allgather_matmul(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int =
     chunk with its scales) that travels the ring as it is, and the result a tuple (the matmuls
     of a group reading x, each chunk's products computed on its one visit)."""
     mm = matmul or (lambda a: jnp.einsum(eq, a, w, **einsum_kw))     # noqa: E731
-    t = lax.axis_size(axis)
-    if t == 1:
+    if lax.axis_size(axis) == 1:
         return mm(x)
-    out = None
-    for chunk, owner in ring_visit(x, axis, bidirectional):
-        y = mm(chunk)
-        if out is None:
-            out = jax.tree.map(lambda a: jnp.zeros(
-                a.shape[:out_seq] + (a.shape[out_seq] * t,) + a.shape[out_seq + 1:], a.dtype), y)
-        out = jax.tree.map(lambda o, a: put_chunk(o, a, owner, out_seq), out, y)
-    return out
+    return ring_gather(x, axis, place=mm, out_seq=out_seq, bidirectional=bidirectional)[0]
 
 
 def allgather_contract(x, full, axis: str, contract, *, seq: int = 1,
@@ -112,13 +104,32 @@ def allgather_contract(x, full, axis: str, contract, *, seq: int = 1,
     as the same t-1 ring hops (call inside `shard_map`): a weight gradient x^T g whose x (or g)
     is sequence-split, without gathering it whole. `full` and the result may be pytrees (a
     group's gradients, their weight gradients)."""
-    total = None
+    return ring_gather(x, axis, contract=contract, full=full, seq=seq,
+                       bidirectional=bidirectional)[1]
+
+
+def ring_gather(x, axis: str, *, place=None, out_seq: int = 1, contract=None, full=None,
+                seq: int = 1, bidirectional: bool = False):
+    """One ring of x's chunks (call inside `shard_map`), each visit used twice over: (the
+    results of `place(chunk)` written at the chunk's position along `out_seq`, the sum of
+    `contract(chunk, full's slice at the chunk's position along seq)`), None for a use not
+    given. `allgather_matmul` places, `allgather_contract` sums; a row-parallel matmul's
+    backward does both on its one ring of output-gradient chunks (dx placed, dW summed)."""
     t = lax.axis_size(axis)
+    placed = summed = None
     for chunk, owner in ring_visit(x, axis, bidirectional):
-        y = contract(chunk, jax.tree.map(
-            lambda a: take_chunk(a, owner, a.shape[seq] // t, seq), full))
-        total = y if total is None else jax.tree.map(jnp.add, total, y)
-    return total
+        if place is not None:
+            y = place(chunk)
+            if placed is None:
+                placed = jax.tree.map(lambda a: jnp.zeros(
+                    a.shape[:out_seq] + (a.shape[out_seq] * t,) + a.shape[out_seq + 1:],
+                    a.dtype), y)
+            placed = jax.tree.map(lambda o, a: put_chunk(o, a, owner, out_seq), placed, y)
+        if contract is not None:
+            y = contract(chunk, jax.tree.map(
+                lambda a: take_chunk(a, owner, a.shape[seq] // t, seq), full))
+            summed = y if summed is None else jax.tree.map(jnp.add, summed, y)
+    return placed, summed
 
 
 def matmul_reduce_scatter(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: int = 1,

@@ -39,15 +39,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import entry_axes
+from jaxscale.axes import MESH_AXES, entry_axes
+from jaxscale.strategies.dp.region import scatter_or_sum
 from jaxscale.strategies.overlap.collective_matmul import (
     allgather_contract,
     allgather_matmul,
     matmul_reduce_scatter,
     plain_rings,
-    put_chunk,
     region,
-    ring_visit,
+    ring_gather,
     specs,
     take_chunk,
 )
@@ -117,20 +117,17 @@ def _as(a, dtype):
 
 def _reduce_weight_grad(ring, dw):
     """The local weight gradient (over this device's batch rows) summed over the data axes x is
-    split on, and reduce-scattered back to the weight's shards over those it was gathered on."""
-    split = {a for e in ring.x_spec for a in entry_axes(e)} - {"tp"}
-    gathered = {a for _, axes in ring.gathered for a in axes}
-    if split - gathered:
-        dw = lax.psum(dw, tuple(sorted(split - gathered)))
-    for d, axes in ring.gathered:
-        if set(axes) <= split:
-            dw = lax.psum_scatter(dw, axes, scatter_dimension=d, tiled=True)
-        else:                   # x whole over these axes: every device holds the sum already
-            n, i = dw.shape[d], 0
-            for a in axes:
-                n, i = n // lax.axis_size(a), i * lax.axis_size(a) + lax.axis_index(a)
-            dw = lax.dynamic_slice_in_dim(dw, i * n, n, d)
-    return dw
+    split on, reduce-scattered back to the weight's shards over those it was gathered on (the
+    data region's `scatter_or_sum`, every axis manual here). Those are batch axes (fsdp,
+    ZeRO-3's dp), which split x too."""
+    split = tuple(a for a in MESH_AXES if a != "tp" and any(a in entry_axes(e)
+                                                           for e in ring.x_spec))
+    shards = dict(ring.gathered)
+    if not {a for axes in shards.values() for a in axes} <= set(split):
+        raise ValueError(f"collective matmul: a weight gathered over {ring.gathered} whose input "
+                         f"{ring.x_spec} is whole over those axes")
+    spec = P(*(shards.get(d) for d in range(dw.ndim)))
+    return scatter_or_sum(dw, spec, split, MESH_AXES)
 
 
 def fp8_rings(rings, eq: str, x, ws, sites) -> tuple:
@@ -204,18 +201,12 @@ def fp8_rings(rings, eq: str, x, ws, sites) -> tuple:
                     bidirectional=bidi)
             else:
                 # one ring of e5m2 gradient chunks (as bytes): dx placed, dw contracted
-                dx = dw = None
-                t = lax.axis_size("tp")
-                size = x8.shape[r.x_seq] // t
-                for chunk, owner in ring_visit(_bytes(g8s[0]), "tp", bidi):
-                    c = _as(chunk, E5)
-                    part = numerics._dot(dw_eq, take_chunk(x8, owner, size, r.x_seq), c, f32)
-                    dw = part if dw is None else dw + part
-                    y = (numerics._dot(dx_eq, c, w8s[0], f32) * s_dx[0]).astype(dt)
-                    if dx is None:
-                        dx = jnp.zeros(y.shape[:r.x_seq] + (y.shape[r.x_seq] * t,)
-                                       + y.shape[r.x_seq + 1:], y.dtype)
-                    dx = put_chunk(dx, y, owner, r.x_seq)
+                dx, dw = ring_gather(
+                    _bytes(g8s[0]), "tp", bidirectional=bidi, out_seq=r.x_seq,
+                    place=lambda c: (numerics._dot(dx_eq, _as(c, E5), w8s[0], f32)
+                                     * s_dx[0]).astype(dt),
+                    contract=lambda c, xs: numerics._dot(dw_eq, xs, _as(c, E5), f32),
+                    full=x8, seq=r.x_seq)
                 dws = (dw,)
             return (dx,) + tuple(_reduce_weight_grad(q, d * s).astype(w.dtype)
                                  for q, d, s, w in zip(rings, dws, s_dw, ws))
