@@ -63,6 +63,17 @@ def stacked_spec() -> P:
     return P(MESH_AXES)
 
 
+def on_own_state(mean):
+    """mean(grads, state, inputs) -> (avg, state) run on one device's slice of a per-device state
+    (`stacked_spec`: a [1, ...] block of each leaf inside a `shard_map` over every axis it is
+    split on), the slice taken out and put back; a None state passes through."""
+    def run(grads, state, inputs):
+        local = None if state is None else jax.tree.map(lambda a: a[0], state)
+        avg, local = mean(grads, local, inputs)
+        return avg, None if local is None else jax.tree.map(lambda a: a[None], local)
+    return run
+
+
 def stack_local(tree, n_devices: int):
     """[devices, ...] copies of a per-device state (what `stacked_spec` splits)."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + a.shape), tree)
@@ -149,10 +160,10 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
     shard_specs = jax.tree.map(lambda sp: drop(sp, mean_axes), param_specs, is_leaf=is_p)
     stacked_in = jax.tree.map(lambda sp: P(lead, *sp), shard_specs, is_leaf=is_p)
 
+    own_state = on_own_state(mean)
+
     def mean_body(grads, state, inputs):
-        local = None if state is None else jax.tree.map(lambda a: a[0], state)
-        avg, local = mean(jax.tree.map(lambda g: g[0], grads), local, inputs)
-        return avg, None if local is None else jax.tree.map(lambda a: a[None], local)
+        return own_state(jax.tree.map(lambda g: g[0], grads), state, inputs)
 
     def once(params, batch, scale, state, *extra):
         grads, loss, total, stats = region(params, batch, scale, *extra)

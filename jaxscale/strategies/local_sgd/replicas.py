@@ -145,17 +145,15 @@ def outer_mean(spec, ctx):
     if spec.compression == "none":
         return None
     from jaxscale.strategies import compression
-    method = compression.mean(spec)
+    from jaxscale.strategies.dp.region import on_own_state
+    method = on_own_state(compression.mean(spec))
     inner = tuple(a for a in ctx.placement.mesh.axis_names if a != "dp")
     specs = ctx.lay.specs.params
-    own = P(inner)
 
     def mean(delta, state):
-        def run(d, st):
-            avg, st = method(d, None if st is None else jax.tree.map(lambda a: a[0], st), None)
-            return avg, None if st is None else jax.tree.map(lambda a: a[None], st)
-        st_specs = None if state is None else jax.tree.map(lambda _: own, state)
-        return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, st_specs),
+        st_specs = None if state is None else jax.tree.map(lambda _: P(inner), state)
+        return jax.shard_map(lambda d, st: method(d, st, None),
+                             mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, st_specs),
                              out_specs=(specs, st_specs), axis_names=set(inner),
                              check_vma=False)(delta, state)
     return mean
