@@ -92,8 +92,14 @@ def test_the_once_per_step_accumulator_shows_in_compiled_temp_as_the_planner_pre
     assert said > 0 and grew == pytest.approx(said, rel=0.25), (grew, said)
 
 
+@pytest.fixture(scope="module")
+def one_device_acc4():
+    """One device over the same 4 micro-batches: the reference of every method below."""
+    return numerics.one_device(*ACC4)
+
+
 @pytest.mark.parametrize("method", ["int8", "powersgd", "sparse embedding"])
-def test_a_strategys_own_mean_once_per_micro_batch(method):
+def test_a_strategys_own_mean_once_per_micro_batch(method, one_device_acc4):
     """`plan.grad_sync=microbatch` with compression or the sparse embedding exchange on HSDP:
     the data region loops over the 4 micro-batches, each one's gradients through the strategy's
     mean over dp (its state threaded through), the means weighted by their tokens: 3 updates
@@ -105,7 +111,7 @@ def test_a_strategys_own_mean_once_per_micro_batch(method):
            "sparse embedding": ("plan.sparse_embedding=true",)}[method]
     plan = (*HSDP, *ACC4, *own)
     got = numerics.run((*plan, "plan.grad_sync=microbatch"))
-    numerics.assert_matches(got, numerics.one_device(*ACC4), numerics.COMPRESSION.get(
+    numerics.assert_matches(got, one_device_acc4, numerics.COMPRESSION.get(
         method.split()[0], numerics.FP32))
     cfg = tiny_config(*plan, "plan.grad_sync=microbatch", *numerics.REAL_UPDATES)
     rows = _rows(got.text, cfg)
