@@ -36,6 +36,7 @@ from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.analysis.validation import tiny_config  # noqa: E402
 from jaxscale.strategies.pp import program  # noqa: E402
 from jaxscale.strategies.pp import schedules as ps  # noqa: E402
+from jaxscale.strategies.pp.simulator import simulate  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 B, T, L = 16, 32, 4
@@ -87,7 +88,7 @@ def main():
                  f"plan.accumulate={m}"), args.steps)
         spec = plan.Spec.from_config(r.pop("cfg"))
         prog = program.program_for(spec)
-        sim = ps.simulate(ps.make(sched, p, m))
+        sim = simulate(ps.make(sched, p, m))
         r.update(label=label, p=p, schedule=sched, m=m, util_sim=1 - sim.bubble,
                  util_formula=1 - ps.formula_bubble(sched, p, m),
                  util_engine=1 - prog.branch_share()[program.IDLE], ticks=prog.ticks,

@@ -104,6 +104,8 @@ class Rules:
 _ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "jaxscale_rules", default=None)
 _MANUAL: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_manual", default=())
+_DIVERGENT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_divergent",
+                                                                  default=False)
 
 
 @contextlib.contextmanager
@@ -159,6 +161,54 @@ def manual_axes() -> tuple[str, ...]:
 
 def active():
     return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def divergent(on_cpu: bool):
+    """While tracing a branch that only some devices take at a time (the pipeline engine's
+    per-stage switch), on XLA:CPU when `on_cpu`: `permute` exchanges through an all-to-all.
+    XLA:CPU's in-process communicator meets every collective-permute with all the devices its
+    source-target pairs name, which in an SPMD program are all of them; devices in another
+    branch never arrive (or arrive at another permute, whose data it then swaps). All-reduces,
+    gathers and all-to-alls meet their replica groups only, inside the stage. On GPUs a permute
+    is NCCL send/recv between its pairs, which the other branches do not disturb."""
+    token = _DIVERGENT.set(bool(on_cpu))
+    try:
+        yield
+    finally:
+        _DIVERGENT.reset(token)
+
+
+def permute_as_all_to_all() -> bool:
+    """Whether `permute` runs as an all-to-all here (see `divergent`)."""
+    return _DIVERGENT.get()
+
+
+def permute(x, axis_name: str, pairs):
+    """`lax.ppermute(x, axis_name, pairs)` of a pytree; inside `divergent` on XLA:CPU the same
+    exchange as one all-to-all over the axis: each device puts its value in the slot of its
+    target ([n, ...], zeros elsewhere) and keeps the slot its source filled. An axis of 2 moves
+    the same bytes either way (its own slot stays); n devices move n - 1 blocks for the one."""
+    import jax
+    if not _DIVERGENT.get():
+        return jax.lax.ppermute(x, axis_name, pairs)
+    import jax.numpy as jnp
+    import numpy as np
+    n = jax.lax.axis_size(axis_name)
+    dst, src = np.full(n, -1), np.full(n, -1)
+    for s, d in pairs:
+        dst[s], src[d] = d, s
+    me = jax.lax.axis_index(axis_name)
+    to, frm = jnp.asarray(dst)[me], jnp.asarray(src)[me]
+
+    def one(a):
+        slots = jnp.zeros((n, *a.shape), a.dtype)
+        slots = jax.lax.dynamic_update_index_in_dim(
+            slots, jnp.where(to >= 0, a, jnp.zeros_like(a)), jnp.maximum(to, 0), 0)
+        got = jax.lax.all_to_all(slots, axis_name, 0, 0)
+        out = jax.lax.dynamic_index_in_dim(got, jnp.maximum(frm, 0), 0, keepdims=False)
+        return jnp.where(frm >= 0, out, jnp.zeros_like(out))
+    return jax.tree.map(one, x)
 
 
 def on_shards(fn, x, spec):

@@ -97,6 +97,8 @@ class PlanConfig:
     xla_preset: str = one_of("default", *XLA_PRESETS)  # XLA scheduler options (overlap.py)
     schedule: str = one_of("1f1b", *SCHEDULES)    # pipeline schedule over mesh.pp
     virtual_stages: int = positive(1)  # virtual pipeline stages per device (interleaved)
+    stage_layers: str = "auto"        # layers of each pipeline stage, "3,5" (one count per
+                                      # stage), or auto: balanced against the embedding and head
     compression: str = one_of("none", "none", *COMPRESSIONS)  # gradient compression over dp
     compression_block: int = positive(256)     # elements per scale (fp8, int8, sign)
     compression_density: float = ranged(0.01, above=0, hi=1)  # topk/threshold: share sent

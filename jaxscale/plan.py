@@ -62,8 +62,8 @@ STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, re
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "grad_sync",
            "donate", "context",
            "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
-           "compression", "compression_block", "compression_density", "compression_threshold",
-           "compression_rank", "prune",
+           "stage_layers", "compression", "compression_block", "compression_density",
+           "compression_threshold", "compression_rank", "prune",
            "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
            "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history")
 
@@ -97,6 +97,7 @@ class Spec:
     xla_preset: str = "default"         # XLA scheduler options (overlap.XLA_PRESETS)
     schedule: str = "1f1b"              # pipeline schedule when pp > 1
     virtual_stages: int = 1             # virtual stages per device (interleaved)
+    stage_layers: str = "auto"          # layers per pipeline stage (strategies/pp/stages.py)
     compression: str = "none"           # gradient compression over dp (strategies/compression)
     compression_block: int = 256
     compression_density: float = 0.01
@@ -167,9 +168,18 @@ class Spec:
         return self.seq / self.deg("sp")
 
     @property
-    def stage_layers(self) -> int:
-        """Layers on the busiest pipeline stage (uneven stages hold at most ceil(L / pp))."""
-        return math.ceil(self.model.n_layers / self.deg("pp"))
+    def layers_per_device(self) -> float:
+        """Layers a device runs, averaged over the pipeline's devices (L / pp): the census and
+        the FLOPs read from the HLO weigh each stage's branch by its share of the devices."""
+        return self.model.n_layers / self.deg("pp")
+
+    @property
+    def stored_layers(self) -> int:
+        """Rows of the stacked layers each device stores, the padding of uneven stages included
+        (`strategies.pp.stages`): what its parameters, and a micro-batch's activations of all
+        its chunks, are sized by."""
+        from jaxscale.strategies.pp.stages import stored_layers
+        return stored_layers(self)
 
     @property
     def moe(self) -> bool:

@@ -168,6 +168,12 @@ class ModelConfig:
         return 6 * n_matmul + (attn / 2 if causal else attn)
 
 
+#: the parameter (its path in a block) each weight matmul of a block reads, by its projection
+#: site; a mixture of experts' MLP runs its experts on slot buffers, not through these
+WEIGHT_OF = {"wq": ("attn", "wq"), "wk": ("attn", "wk"), "wv": ("attn", "wv"),
+             "wo": ("attn", "wo"), "w_gate": ("mlp", "w_gate"), "w_up": ("mlp", "w_up"),
+             "w_down": ("mlp", "w_down")}
+
 #: logical axes (x, weight, output) of the weight matmuls: the residual stream (`norm_seq`) in,
 #: the attention/MLP regions (`seq`) out, and back
 _RESID = ("batch", "norm_seq", "embed")

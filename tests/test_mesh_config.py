@@ -74,8 +74,8 @@ def test_overrides_and_errors():
     (("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=8"), "model.n_kv_heads=4 is not divisible by mesh.tp=8"),
     (("data.batch_size=6",), "data.batch_size=6 is not divisible by the data-parallel degree "
                              "dp x fsdp = 4"),
-    (("mesh.dp=1", "mesh.pp=2", "model.n_layers=3"),
-     "model.n_layers=3 is not divisible by the 2 pipeline stages"),
+    (("mesh.dp=1", "mesh.pp=2", "model.n_layers=3", "plan.stage_layers=2,2"),
+     "plan.stage_layers='2,2' sums to 4 layers, but model.n_layers=3"),
     (("model.n_heads=6",), "model.n_heads=6 must be a multiple of model.n_kv_heads=4"),
 ])
 def test_plan_validation_errors(overrides, msg):

@@ -9,7 +9,7 @@ import pytest
 
 from jaxscale import plan, planner
 from jaxscale.analysis import inspect
-from jaxscale.strategies.pp import program
+from jaxscale.strategies.pp import program, stages
 from jaxscale.train.setup import build
 from tests import numerics
 from tests.helpers import tiny_config
@@ -38,10 +38,10 @@ def reference():
 
 def _pipelined_grads(overrides, params):
     s = build(tiny_config(*BASE, *overrides))
-    order = program.layer_order(s.placement.spec)
-    local = jax.device_put(program.reorder(params, None, order), s.device_shardings.params)
+    order = stages.layer_order(s.placement.spec)
+    local = jax.device_put(stages.reorder(params, None, order), s.device_shardings.params)
     grads, loss, ntok = s.jit_grads()(local, _batch())
-    return jax.device_get(program.reorder(grads, order, None)), float(loss), float(ntok), s
+    return jax.device_get(stages.reorder(grads, order, None)), float(loss), float(ntok), s
 
 
 SCHEDULES = {   # p, m, v over the same 8 devices as fsdp x tp
@@ -83,13 +83,13 @@ def test_interleaved_layer_order_round_trips():
                                              "plan.schedule=interleaved", "plan.virtual_stages=2",
                                              "plan.accumulate=4"))
     # device 0 holds stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
-    assert program.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert stages.layer_order(spec) == [0, 1, 4, 5, 2, 3, 6, 7]
     tree = {"layers": {"w": np.arange(L)}, "embed": np.arange(3)}
-    moved = program.reorder(tree, None, program.layer_order(spec))
+    moved = stages.reorder(tree, None, stages.layer_order(spec))
     assert list(moved["layers"]["w"]) == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert list(program.reorder(moved, program.layer_order(spec), None)["layers"]["w"]) == list(
+    assert list(stages.reorder(moved, stages.layer_order(spec), None)["layers"]["w"]) == list(
         range(L))
-    assert program.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
+    assert stages.layer_order(spec.with_(schedule="1f1b", virtual_stages=1)) is None
 
 
 # ----------------------------------------------------------------------------- census, memory
@@ -113,7 +113,9 @@ def test_permutes_and_pipeline_all_reduce_match_the_formula(reports):
         row = next(r for r in rep["collectives"]
                    if r["kind"] == "collective-permute" and r["axes"] == ["pp"])
         act = 1 * 64 * 128 * 4                       # a micro-batch's row per device, [1, T, D]
-        assert row["count"] == prog.permutes == 2 * prog.ticks
+        # p = 2: one ring (0 <-> 1) carries the activations up and the gradients down at once
+        assert prog.rings == {"up": ((0, 1), (1, 0)), "down": ()}
+        assert row["count"] == prog.permutes == prog.ticks
         assert row["bytes"] == prog.permutes * act
         assert prog.ticks == 2 * (m + 2 - 1)           # GPipe and 1F1B: 2 (m + p - 1) ticks
         assert prog.useful_sends < prog.permutes       # the loop also sends in idle ticks
@@ -146,17 +148,19 @@ def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
     pp_cfg = tiny_config(*BASE, "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.precision=bf16",
                          "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4")
     s = build(pp_cfg)
-    order = program.layer_order(s.placement.spec)
+    order = stages.layer_order(s.placement.spec)
     state = s.init_state()
     ck = ckpt_lib.Checkpointer(tmp_path, pp_cfg.ckpt)
-    ck.save(0, state, ckpt_meta.make_meta(pp_cfg, state, 0, None, order))
+    from jaxscale.train import disk
+    kept = disk.to_disk(state, pp_cfg.model.vocab_size, order)      # the model's layer order
+    ck.save(0, kept, ckpt_meta.make_meta(pp_cfg, kept, 0))
     ck.wait()
     ck.close()
     one_cfg = tiny_config(*BASE, "mesh.fsdp=8", "mesh.tp=1", "plan.precision=bf16")
     one = build(one_cfg)
     _, restored, meta, _ = ckpt_lib.restore_latest(tmp_path, one_cfg.ckpt, one_cfg,
                                                    one.abstract_state(), None)
-    assert meta["layer_order"] == order
+    assert "layer_order" not in meta and order is not None
     fresh = jax.device_get(one.init_state())          # the same seed in the model's order
     for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(fresh)):
         # two programs' initialisations: equal up to the last bit (tests/conftest.py)
@@ -182,16 +186,25 @@ def test_composed_plan_trains_like_the_same_plan_without_pp():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("mesh.pp=2", "mesh.fsdp=4", "model.n_layers=3"),
-     "model.n_layers=3 is not divisible by the 2 pipeline stages"),
-    (("mesh.pp=2", "mesh.fsdp=4", "plan.schedule=interleaved", "plan.virtual_stages=2",
-      "plan.accumulate=4", "model.n_layers=6"),
-     r"not divisible by the 4 pipeline stages \(p x v = 2 x 2 = 4\)"),
+    (("mesh.pp=2", "mesh.fsdp=4", "model.n_layers=8", "plan.stage_layers=3,4"),
+     "plan.stage_layers='3,4' sums to 7 layers, but model.n_layers=8: the counts must add up"),
+    (("mesh.pp=2", "mesh.fsdp=4", "model.n_layers=8", "plan.stage_layers=8,0"),
+     "plan.stage_layers='8,0' leaves a stage empty"),
+    (("mesh.pp=2", "mesh.fsdp=4", "plan.stage_layers=4,4,4"),
+     r"names 3 stages, but the pipeline has 2 \(mesh.pp x virtual stages\): give 2 counts"),
+    (("mesh.pp=2", "mesh.fsdp=4", "plan.stage_layers=four"),
+     "give 'auto' or 2 comma-separated layer counts, one per pipeline stage"),
+    (("mesh.pp=1", "mesh.fsdp=8", "plan.stage_layers=4,4"), "but mesh.pp=1"),
+    (("mesh.pp=2", "mesh.fsdp=4", "model.n_layers=1"),
+     "model.n_layers=1 is fewer than the 2 pipeline stages"),
     (("mesh.pp=4", "mesh.fsdp=2", "plan.schedule=zb-h1", "plan.accumulate=2"),
      r"plan.schedule=zb-h1 needs at least as many micro-batches as pipeline stages: m=2 < p=4"),
-    (("mesh.pp=2", "mesh.fsdp=2", "mesh.sp=2"), "mesh.pp=2 with sequence or context parallelism"),
+    (("mesh.pp=2", "mesh.fsdp=4", "plan.schedule=zb-v", "plan.accumulate=2"),
+     r"plan.schedule=zb-v needs at least twice as many micro-batches as pipeline devices"),
+    (("mesh.pp=2", "mesh.fsdp=2", "mesh.sp=2", "data.seq_len=30"),
+     "context parallelism cuts data.seq_len=30 into 2 x mesh.sp = 4 zig-zag chunks"),
     (("mesh.pp=2", "mesh.fsdp=4", "model.scan_layers=false"), "set model.scan_layers=true"),
 ])
-def test_plans_the_engine_cannot_run_are_refused(overrides, message):
+def test_bad_stage_layouts_are_refused_before_anything_compiles(overrides, message):
     with pytest.raises(ValueError, match=message):
         plan.validate(tiny_config(*BASE, "mesh.tp=1", *overrides), 8)

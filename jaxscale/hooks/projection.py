@@ -28,7 +28,19 @@ def plain(eq: str, x, w, **kw):
 
 def project(eq: str, x, w, site: str, names: tuple[tuple, tuple, tuple], **kw):
     """einsum(eq, x, w) by the active plan's implementation; `kw` (e.g.
-    `preferred_element_type`) goes to the einsum."""
+    `preferred_element_type`) goes to the einsum. Under `taps` the input and the output gradient
+    come out as the taps' cotangents."""
+    if _INSIDE.get():
+        return _project(eq, x, w, site, names, **kw)
+    taps = _taps()
+    with _inside():
+        y = _project(eq, x if taps is None else _expose(x, taps["x"][site]), w, site, names,
+                     **kw)
+    _record(site, site, eq, names, x, y)
+    return y if taps is None else _catch(y, taps["y"][site])
+
+
+def _project(eq, x, w, site, names, **kw):
     found = implementation("projection")
     if found is None:
         return plain(eq, x, w, **kw)
@@ -40,7 +52,20 @@ def project_columns(eq: str, x, ws: tuple, sites: tuple[str, ...], names: tuple)
     """einsum(eq, x, w) for each w of `ws`, matmuls that read the one input `x` (q, k, v; gate,
     up), each through `project`: as a group by the implementation the active rules name for
     the `columns` seam (tensor parallelism: one region, so that x's gradient is reduced once
-    for the group, not once per matmul), else one by one."""
+    for the group, not once per matmul), else one by one. Under `taps` the group's input is
+    tapped once (under its first site) and each output gradient under its own site."""
+    if _INSIDE.get():
+        return _columns(eq, x, ws, sites, names)
+    taps = _taps()
+    with _inside():
+        ys = _columns(eq, x if taps is None else _expose(x, taps["x"][sites[0]]), ws, sites,
+                      names)
+    for y, site, n in zip(ys, sites, names):
+        _record(site, sites[0], eq, n, x, y)
+    return ys if taps is None else tuple(_catch(y, taps["y"][s]) for y, s in zip(ys, sites))
+
+
+def _columns(eq, x, ws, sites, names):
     found = implementation("columns")
     if found is None:
         return tuple(project(eq, x, w, s, n) for w, s, n in zip(ws, sites, names))
@@ -48,21 +73,120 @@ def project_columns(eq: str, x, ws: tuple, sites: tuple[str, ...], names: tuple)
     return fn(eq, x, ws, sites, names, mesh, rules)
 
 
+# ----------------------------------------------------------------------------- taps
+# A split backward (the pipeline's zero-bubble schedules) computes a stage's input gradient and
+# its weight gradients in two passes. The first differentiates the stage with respect to its
+# input and to "taps", per-layer inputs (`layer_inputs(..., TAPS)`) of zeros beside each weight
+# matmul: its input passes through `_expose` and its output through `_catch`, identities whose
+# backward hands the tap the matmul's input and its output gradient. The weight gradients are
+# then each matmul's own backward from those two (`weight_grad`), with no second pass through
+# the chain. `recording()` lists the tapped matmuls of a trace, to build the taps from.
+TAPS = "taps"
+_INSIDE: contextvars.ContextVar = contextvars.ContextVar("jaxscale_tap_inside", default=False)
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("jaxscale_tap_record", default=None)
+
+
+@contextlib.contextmanager
+def _inside():
+    token = _INSIDE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE.reset(token)
+
+
+def _taps():
+    """This layer's taps ({"x": {input key: zeros}, "y": {site: zeros}}), or None."""
+    return layer_input(TAPS)
+
+
+@contextlib.contextmanager
+def recording():
+    """A dict filled while tracing inside the block: site -> (input key, einsum, names, input
+    shape and dtype, output shape and dtype) of every matmul that `project` or `project_columns`
+    runs outside the projection's own regions."""
+    book: dict = {}
+    token = _RECORD.set(book)
+    try:
+        yield book
+    finally:
+        _RECORD.reset(token)
+
+
+def _record(site, key, eq, names, x, y):
+    book = _RECORD.get()
+    if book is not None:
+        book[site] = (key, eq, names, (x.shape, x.dtype), (y.shape, y.dtype))
+
+
+def _identity_vjp(kind: str):
+    import jax
+
+    @jax.custom_vjp
+    def tap(v, t):
+        return v
+
+    def fwd(v, t):
+        return v, (v if kind == "input" else None)
+
+    def bwd(kept, g):
+        return g, (kept if kind == "input" else g)
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def _expose(x, tap):
+    return x if tap is None else _TAP_FNS["input"](x, tap)
+
+
+def _catch(y, tap):
+    return y if tap is None else _TAP_FNS["output"](y, tap)
+
+
+class _Lazy(dict):
+    def __missing__(self, kind):
+        self[kind] = _identity_vjp(kind)
+        return self[kind]
+
+
+_TAP_FNS = _Lazy()
+
+
+def weight_grad(eq: str, x, w, dy, site: str, names, scales=None):
+    """(the gradient of w in einsum(eq, x, w), the cotangent of this layer's `scales`) through
+    the plan's projection, from the matmul's input x and output gradient dy: the matmul's own
+    backward, its forward unused. `scales`: the layer's per-layer inputs of the projection (fp8
+    QAT's), whose cotangent is what the backward saw; None without."""
+    import jax
+
+    def f(w, sc):
+        token = _LAYER_INPUT.set(({} if sc is None else {SCALES: sc}, {}))
+        try:
+            with _inside():
+                return _project(eq, x, w, site, names)
+        finally:
+            _LAYER_INPUT.reset(token)
+    y, back = jax.vjp(f, w, scales)
+    return back(dy.astype(y.dtype))
+
+
 # ----------------------------------------------------------------------------- per-layer inputs
 # An implementation with per-layer state (fp8 delayed scaling: each layer's scales) hands the
 # model's layer loop a tree of [layers, ...] arrays with `layer_inputs`; the loop (`Llama.blocks`)
 # scans it beside the stacked weights and each layer's matmuls read their slice with
-# `layer_input()`. Gradients with respect to the tree flow back through the scan as usual.
+# `layer_input()`. Gradients with respect to the tree flow back through the scan as usual. Each
+# user names its tree (`SCALES`, `TAPS`), so several can ride the loop at once.
+SCALES = "scales"
 _LAYER_INPUTS: contextvars.ContextVar = contextvars.ContextVar("jaxscale_layer_inputs",
                                                                default=None)
 _LAYER_INPUT: contextvars.ContextVar = contextvars.ContextVar("jaxscale_layer_input", default=None)
 
 
 @contextlib.contextmanager
-def layer_inputs(tree):
+def layer_inputs(tree, name: str = SCALES):
     """While tracing inside the block, the model's layer loop carries `tree` ([layers, ...]
-    leaves), one slice per layer."""
-    token = _LAYER_INPUTS.set(tree)
+    leaves), one slice per layer, under `name` (beside any others already set)."""
+    token = _LAYER_INPUTS.set({**(_LAYER_INPUTS.get() or {}), name: tree})
     try:
         yield
     finally:
@@ -70,7 +194,8 @@ def layer_inputs(tree):
 
 
 def scanned_inputs(rows: tuple[int, int] | None = None):
-    """The per-layer inputs set by `layer_inputs` (layers start..start+n-1 with `rows`), or None."""
+    """The per-layer inputs set by `layer_inputs` ({name: tree}; layers start..start+n-1 with
+    `rows`), or None."""
     tree = _LAYER_INPUTS.get()
     if tree is None or rows is None:
         return tree
@@ -83,7 +208,7 @@ def with_layer_input(body: Callable) -> Callable:
     `layer_input()` (and a fresh `layer_cache()`) set: the layer loop's step."""
     def run(x, xs):
         state, mine = xs
-        token = _LAYER_INPUT.set((mine, {}))
+        token = _LAYER_INPUT.set((mine or {}, {}))
         try:
             return body(x, state)
         finally:
@@ -91,10 +216,10 @@ def with_layer_input(body: Callable) -> Callable:
     return run
 
 
-def layer_input():
-    """This layer's slice of the per-layer inputs, or None."""
+def layer_input(name: str = SCALES):
+    """This layer's slice of the per-layer inputs named `name`, or None."""
     here = _LAYER_INPUT.get()
-    return None if here is None else here[0]
+    return None if here is None else here[0].get(name)
 
 
 def layer_cache() -> dict | None:

@@ -38,26 +38,10 @@ from dataclasses import asdict, dataclass, field
 from jaxscale import hardware
 from jaxscale.cost import alpha_beta, ring_steps
 from jaxscale.strategies.common import Comm
-from jaxscale.strategies.pp import bubble_fraction
+from jaxscale.strategies.pp import bubble_fraction, stages
 from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
-from jaxscale.strategies.tables.activations import expert_rows, ragged_dense
-
-
-def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows: float = 0.0,
-                          moe_share: float = 1.0) -> dict:
-    """Forward matmul FLOPs per token of one block, by part; a mixture of experts computes
-    `expert_rows` expert MLP rows per token (`tables.activations.expert_rows`: the slots of its
-    capacity buffer, padding included) plus the router, in `moe_share` of the layers (the rest are
-    dense)."""
-    d, hd, H, K, f, E = (model.dim, model.hd, model.n_heads, model.n_kv_heads, model.ffn_dim,
-                         model.moe_experts)
-    attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)
-    share = moe_share if E else 0.0
-    mlp = 6 * d * f * ((1 - share) + share * (expert_rows or model.moe_top_k)) + 2 * d * E * share
-    return {"q_proj": 2 * d * H * hd, "k_proj": 2 * d * K * hd, "v_proj": 2 * d * K * hd,
-            "o_proj": 2 * H * hd * d, "attention": attn_core,
-            "mlp_gate": mlp / 3, "mlp_up": mlp / 3, "mlp_down": mlp / 3}
+from jaxscale.strategies.tables.flops import layer_flops_per_token, moe_rows
 
 
 def recompute_per_token(parts: dict, remat: str) -> float:
@@ -79,53 +63,49 @@ def recompute_per_token(parts: dict, remat: str) -> float:
 
 @dataclass
 class Flops:
-    per_device: float            # matmul FLOPs per device per step (forward + backward + remat)
+    per_device: float            # matmul FLOPs per device per step (forward + backward + remat),
+                                 # averaged over the pipeline's devices (what the HLO shows)
     forward: float
     recompute: float
     model_per_device: float      # 6 Psi + attention (causal) per token, for MFU
+    busiest: float = 0.0         # the busiest pipeline device's (its stages' layers, and the
+                                 # head or the embedding where it holds them): the step's pace
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def flops(spec) -> Flops:
+    """Matmul FLOPs per device and step. A device runs its stages' layers (`stages.py`); the
+    mean over the devices is L / pp layers and the head over pp."""
     m = spec.model
     causal_kernel = spec.attention != "xla"
     parts = layer_flops_per_token(m, spec.seq, causal_kernel, *moe_rows(spec))
     per_layer = sum(parts.values())
     head = 2 * m.dim * m.padded_vocab
-    tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp"))
-    t, p = spec.deg("tp"), spec.deg("pp")
-    fwd = tokens * (per_layer * spec.stage_layers + head / p) / t
-    rec = tokens * recompute_per_token(parts, spec.remat) * spec.stage_layers / t
+    tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp")) / spec.deg("tp")
+    rec_layer = recompute_per_token(parts, spec.remat)
     rows, share = moe_rows(spec)
     if share and actions(spec.remat)["mlp_down"] == "remat":
         # a MoE layer's down projection (and the router's last third) is replayed too: the
         # combine's backward needs every expert output (`jaxscale.strategies.ep`)
-        down = 2 * m.dim * m.ffn_dim * rows + 2 * m.dim * m.moe_experts / 3
-        rec += tokens * down * share * spec.stage_layers / t
-    if p > 1 and spec.schedule == "zb-h1":
-        # the W pass re-runs the stage's input-gradient chain (projections, MLP and both
-        # attention matmuls) and any remat replay: JAX's vjp does not split per matmul
-        rec += tokens * (per_layer + parts["attention"]) * spec.stage_layers / t + rec
-    model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
+        rec_layer += (2 * m.dim * m.ffn_dim * rows + 2 * m.dim * m.moe_experts / 3) * share
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
-        rec += 0.5 * tokens * parts["attention"] * spec.stage_layers / t
-    return Flops(3 * fwd + rec + embedding_gradient(spec, tokens), fwd, rec,
-                 model_tok * spec.batch * spec.seq / spec.n_devices)
+        rec_layer += 0.5 * parts["attention"]
+    embed = embedding_gradient(spec, tokens * spec.deg("tp")) * spec.deg("pp")
+    where, counts = stages.placement(spec), stages.device_counts_or_even(spec)
+    first, last = where[0], where[-1]
 
-
-def moe_rows(spec) -> tuple[float, float]:
-    """(expert MLP rows computed per token, fraction of MoE layers) as the compiled step does it:
-    `expert_rows`, except that dropless without ep on a CPU runs `jax.lax.ragged_dot`'s
-    reference lowering, a dense matmul of every row with every expert (E k rows per token)."""
-    m = spec.model
-    if not spec.moe:
-        return 0.0, 0.0
-    rows = expert_rows(spec)
-    if ragged_dense(spec):
-        rows *= m.moe_experts
-    return rows, m.n_moe_layers / m.n_layers
+    def device(d, layers):
+        fwd = tokens * (per_layer * layers + head * (d == last))
+        rec = tokens * rec_layer * layers
+        return fwd, rec, 3 * fwd + rec + embed * (d == first)
+    p = spec.deg("pp")
+    work = [device(d, n) for d, n in enumerate(counts)]
+    fwd, rec, total = (sum(w[i] for w in work) / p for i in range(3))
+    model_tok = m.flops_per_token(spec.seq, causal=True)      # active experts only
+    return Flops(total, fwd, rec, model_tok * spec.batch * spec.seq / spec.n_devices,
+                 max(w[2] for w in work))
 
 
 def embedding_gradient(spec, tokens: float) -> float:
@@ -168,18 +148,18 @@ def collective_time(spec, c: Comm) -> float:
 def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
     hw = spec.hardware
     peak = hardware.peak_flops_per_device(spec.device_kind, compute_dtype(spec), spec.n_devices)
-    matmul = fl.per_device / (peak * hw.matmul_efficiency)
+    matmul = fl.busiest / (peak * hw.matmul_efficiency)
     k = max(1, spec.accumulate)
     state = memory.params + memory.master + memory.optimizer + memory.grads
     full_layer_acts = sum(memory.layer.values()) if memory.layer else 0.0
-    traffic = (3 * full_layer_acts * spec.stage_layers * k
+    layers = max(stages.device_counts_or_even(spec))     # the busiest device's
+    traffic = (3 * full_layer_acts * layers * k
                + 3 * memory.params * k + 2 * state)
     memory_bound = traffic / hw.hbm_bw
     compute = matmul + memory_bound
     times = [(c, collective_time(spec, c)) for c in comms if not c.optional]
     critical = sum(t for c, t in times if not c.overlap)
     overlapped = sum(t for c, t in times if c.overlap)
-    layers = spec.stage_layers
     exposed = max(0.0, overlapped - compute) + min(overlapped, compute) / (layers + 1)
     bubble = bubble_fraction(spec) * (compute + critical)
     host = 0.0

@@ -88,7 +88,8 @@ PARTS = {
                   "summed over the micro-batches",
     "micro_batches": "accumulate: how many micro-batches the grads function sums over (1 when "
                      "the data region loops over them itself)",
-    "grads": "pp: (model, placement, block_wrapper, forward_only=False) -> the grads function",
+    "grads": "pp: (model, placement, parts, forward_only=False) -> the grads function (the "
+             "other parts it reads: block_wrapper, batch_view, probe)",
     "probe": "qat: a `Probe`, inputs of the model whose cotangents the step reads",
     "reduce": "dp: (grads fn, step context) -> the grads fn run in the data region and reduced "
               "there once per step (`strategies.dp.region`), per-device state in and out",

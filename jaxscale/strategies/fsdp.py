@@ -75,12 +75,12 @@ def collectives(spec) -> list[Comm]:
     count_f = count_b = 0
     for leaf in leaves(spec.model):
         size = leaf.local_size(spec, drop=("fsdp",)) * pb
-        count_f += int(spec.stage_layers if leaf.stacked else 1)      # gathers issued
+        count_f += int(spec.layers_per_device if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):
             quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
             layer_f += size if quantised is None else quantised[0]
             layer_b += size if quantised is None else quantised[1]
-            count_b += int(spec.stage_layers if leaf.stacked else 1)
+            count_b += int(spec.layers_per_device if leaf.stacked else 1)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
         elif leaf.path == "head":
             outer_f += size * runs(leaf)
@@ -98,7 +98,7 @@ def collectives(spec) -> list[Comm]:
     if spec.remat not in ("none", ""):
         # the replayed forward gathers the RMSNorm scales again (the matmul weights gathered
         # for the backward serve the replay too)
-        out.append(Comm("all-gather", axes, norms * k, 2 * spec.stage_layers * k,
+        out.append(Comm("all-gather", axes, norms * k, 2 * spec.layers_per_device * k,
                         "RMSNorm scales again for the rematerialised forward", group=n,
                         overlap=True))
     if pipelined and spec.schedule == "zb-h1":

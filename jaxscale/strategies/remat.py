@@ -112,7 +112,7 @@ def memory(spec) -> list[Term]:
     """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
     offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`)."""
     la = activations(spec)
-    n = spec.stage_layers
+    n = spec.stored_layers
     out = [Term("activations", la.saved * n, f"saved for the backward (remat={spec.remat})")]
     if la.host:
         out.append(Term("host", la.host * n, "activations offloaded by the remat policy",

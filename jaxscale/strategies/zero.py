@@ -122,8 +122,7 @@ def shards(spec) -> Shards:
     ls = leaves(model)
     local = sum(leaf.local_size(spec) for leaf in ls)
     gathered = [leaf.local_size(spec, drop=("fsdp",)) for leaf in ls]
-    per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / max(
-        1, math.ceil(model.n_layers / spec.deg("pp")))
+    per_layer = sum(g for g, leaf in zip(gathered, ls) if leaf.stacked) / spec.stored_layers
     if not model.scan_layers:
         per_layer = max(sum(g for g, leaf in zip(gathered, ls)      # the largest layer
                             if leaf.path.startswith(f"layers/{i}/"))

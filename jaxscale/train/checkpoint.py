@@ -193,17 +193,20 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
                    layer_order: list[int] | None = None):
     """(checkpointer, state, meta, notes) for the newest finalized checkpoint in `directory`, its
     stacked layers moved into `layer_order` (this plan's stored order; None: the model's) from
-    the order it was saved in."""
+    the model's order a checkpoint holds (or, written before, the order its metadata names)."""
     listing = require_resumable(directory)
     ckpt = Checkpointer(directory, ckpt_cfg)
     step = listing.latest
     meta = ckpt.read_meta(step)
-    kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size)     # the true vocabulary
+    # the true vocabulary, the model's layers
+    kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size, layer_order)
     notes = check_compatible(meta, cfg, kept, str(Path(directory) / str(step)))
-    state = disk.from_disk(ckpt.restore(step, kept, meta.get("checksums")), abstract_state)
+    from jaxscale.strategies.pp.stages import reorder
+    state = reorder(ckpt.restore(step, kept, meta.get("checksums")), meta.get("layer_order"),
+                    None)
+    state = disk.from_disk(state, abstract_state, layer_order)
     restored = int(jax.device_get(state.step)) if hasattr(state, "step") else step
     if restored != step:
         raise CorruptCheckpointError(
             f"checkpoint {Path(directory) / str(step)} holds state.step={restored}, not {step}")
-    from jaxscale.strategies.pp.program import reorder
-    return ckpt, reorder(state, meta.get("layer_order"), layer_order), meta, notes
+    return ckpt, state, meta, notes

@@ -171,10 +171,10 @@ def _digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def make_meta(cfg, state, step: int, last_row: dict | None = None,
-              layer_order: list[int] | None = None) -> dict:
-    """What a checkpoint says about itself; `layer_order`: the stored order of the stacked layers
-    when it is not the model's (interleaved pipelines, `strategies.pp.program.layer_order`)."""
+def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
+    """What a checkpoint says about itself (`state` as `train.disk.to_disk` gives it: the true
+    vocabulary, the layers in the model's order; a checkpoint written before that names its
+    stored order in "layer_order", which a restore still honours)."""
     from jaxscale import config as config_lib
     meta = {
         "version": META_VERSION,
@@ -191,8 +191,6 @@ def make_meta(cfg, state, step: int, last_row: dict | None = None,
         "time": time.time(),
         "checksums": checksums(state),
     }
-    if layer_order is not None:
-        meta["layer_order"] = list(layer_order)
     meta["digest"] = _digest(meta)
     return meta
 

@@ -1,4 +1,4 @@
-"""The train state as checkpoints hold it: the model's true vocabulary.
+"""The train state as checkpoints hold it: the model's true vocabulary, its layers in order.
 
 A plan pads the embedding's rows and the LM head's columns to a multiple of its tensor-parallel
 degree (`ModelConfig.vocab_multiple`, raised by `plan.Spec`), so the padding depends on the mesh.
@@ -9,6 +9,11 @@ are every array under an `embed` or `head` key of the state (the parameters, the
 optimizer's moments, local SGD's replicas): the embedding's first dimension of the padded size,
 the head's last. A trimmed array is whole along the vocabulary (a split there would not divide
 it); nothing else of its layout changes. Without padding all three are the identity.
+
+Likewise the stacked layers: a pipeline stores them in its own order, uneven stages with padding
+rows (`jaxscale.strategies.pp.stages.layer_order`); a checkpoint holds them in the model's order
+without padding, so it restores under any stage layout, schedule or pp (`layer_order` below:
+the plan's stored order, None for the model's).
 """
 from __future__ import annotations
 
@@ -49,8 +54,10 @@ def _whole_along(sharding, dim: int, ndim: int):
     return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
 
 
-def disk_abstract(abstract_state, vocab_size: int):
-    """The restore target: `abstract_state` with the vocabulary at `vocab_size`."""
+def disk_abstract(abstract_state, vocab_size: int, layer_order: list[int] | None = None):
+    """The restore target: `abstract_state` with the vocabulary at `vocab_size`, the layers in
+    the model's order."""
+    abstract_state = _model_layers(abstract_state, layer_order)
     padded = padded_size(abstract_state)
     if padded is None or padded == vocab_size:
         return abstract_state
@@ -64,8 +71,26 @@ def disk_abstract(abstract_state, vocab_size: int):
     return jax.tree_util.tree_map_with_path(one, abstract_state)
 
 
-def to_disk(state, vocab_size: int):
-    """`state` with its vocabulary trimmed to `vocab_size` (what a checkpoint saves)."""
+def _model_layers(abstract, layer_order):
+    """Abstract leaves with the stacked layers resized from the stored rows to the model's."""
+    if layer_order is None:
+        return abstract
+    from jaxscale.strategies.pp.stages import fit, is_layers
+    n = sum(1 for r in layer_order if r >= 0)
+
+    def one(path, a):
+        if not is_layers(path) or a.shape[:1] != (len(layer_order),):
+            return a
+        shape = (n,) + a.shape[1:]
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=fit(a.sharding, shape))
+    return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def to_disk(state, vocab_size: int, layer_order: list[int] | None = None):
+    """`state` with its vocabulary trimmed to `vocab_size` and its layers in the model's order
+    (what a checkpoint saves)."""
+    from jaxscale.strategies.pp.stages import reorder
+    state = reorder(state, layer_order, None)
     padded = padded_size(state)
     if padded is None or padded == vocab_size:
         return state
@@ -80,12 +105,15 @@ def to_disk(state, vocab_size: int):
     return jax.jit(trim, out_shardings=jax.tree.map(lambda a: a.sharding, target))(state)
 
 
-def from_disk(state, abstract_state):
-    """A restored `state` (at the true vocabulary) padded with zeros to `abstract_state`'s
-    shapes and laid out as it says."""
+def from_disk(state, abstract_state, layer_order: list[int] | None = None):
+    """A restored `state` (at the true vocabulary, the layers in the model's order) padded with
+    zeros to `abstract_state`'s shapes, its layers in `layer_order`, laid out as it says."""
+    from jaxscale.strategies.pp.stages import reorder
+    state = reorder(state, None, layer_order)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
     padded = padded_size(abstract_state)
     if padded is None or padded_size(state) == padded:
-        return state
+        return state if layer_order is None else jax.device_put(state, shardings)
 
     def pad(tree):
         def one(path, a, like):
@@ -96,4 +124,4 @@ def from_disk(state, abstract_state):
             width[d] = (0, padded - a.shape[d])
             return jnp.pad(a, width)
         return jax.tree_util.tree_map_with_path(one, tree, abstract_state)
-    return jax.jit(pad, out_shardings=jax.tree.map(lambda a: a.sharding, abstract_state))(state)
+    return jax.jit(pad, out_shardings=shardings)(state)

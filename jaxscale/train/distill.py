@@ -139,7 +139,7 @@ def problems(cfg, spec, teacher_cfg) -> list[str]:
 
 def load(cfg, placement, policy) -> Teacher:
     """The teacher of `cfg.train.teacher`, its parameters restored in the plan's shards."""
-    from jaxscale.strategies.pp.program import reorder
+    from jaxscale.strategies.pp.stages import reorder
     from jaxscale.train.state import FunctionalModel
     ckdir, step, tdict = locate(cfg.train.teacher)
     key = f"train.teacher={cfg.train.teacher!r}"

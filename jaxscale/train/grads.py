@@ -103,8 +103,8 @@ def plan_grads_fn(model, placement, parts, with_stats: bool = False, distill=Non
     """The grads function of the plan: a strategy's own (`parts.grads`: the pipeline engine, its
     k micro-batches the schedule's m), else `make_grads_fn` over the plan's micro-batches."""
     if parts.grads is not None:
-        fn = parts.grads(model, placement, parts.block_wrapper)
-        return fn if with_stats else (lambda *a: fn(*a)[:3])
+        fn = parts.grads(model, placement, parts)
+        return fn if with_stats else (lambda *a, **kw: fn(*a, **kw)[:3])
     return make_grads_fn(model, parts, parts.micro_batches, with_stats, distill)
 
 

@@ -235,8 +235,9 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
 
     def save(step_no: int) -> None:
         if step_no not in saved:
-            kept = disk.to_disk(state, cfg.model.vocab_size)      # the true vocabulary
-            ckpt.save(step_no, kept, ckpt_meta.make_meta(cfg, kept, step_no, row, order))
+            # the true vocabulary, the model's layer order
+            kept = disk.to_disk(state, cfg.model.vocab_size, order)
+            ckpt.save(step_no, kept, ckpt_meta.make_meta(cfg, kept, step_no, row))
             saved.add(step_no)
 
     try:

@@ -90,7 +90,8 @@ def build(cfg, devices=None, donate: bool | None = None, with_grads: bool = Fals
         planner.check_fits(cfg, placement.mesh.devices.size)
     parts = plan_lib.step_parts(placement.spec)
     model = state_lib.FunctionalModel(dataclasses.replace(     # the plan's (vocabulary padded)
-        placement.spec.model, dtype=parts.policy.compute_dtype, param_dtype="float32"))
+        placement.spec.model, dtype=parts.policy.compute_dtype, param_dtype="float32"),
+        parts.layer_order)
     optimizer, learning_rate = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
     lay = state_lib.layout(model, placement, parts)
     host_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts)

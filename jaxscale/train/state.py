@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.llama import Llama, ModelConfig
-from jaxscale.strategies.pp.program import reorder
+from jaxscale.strategies.pp.stages import reorder
 
 
 def is_partition(x) -> bool:
@@ -29,18 +29,26 @@ def is_partition(x) -> bool:
 
 
 class FunctionalModel:
-    """A Llama as pure functions over a nested dict of parameters."""
+    """A Llama as pure functions over a nested dict of parameters; `layer_order`: the plan's
+    stored order of the stacked layers (a pipeline's, padding rows included:
+    `strategies.pp.stages.layer_order`), in which `init` creates them and `abstract_params`
+    sizes them."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_order: list[int] | None = None):
         self.cfg = cfg
+        self.layer_order = layer_order
         abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
         self.graphdef, state = nnx.split(abstract)
         self._state_def = jax.tree.structure(state)
         self.abstract_params = nnx.to_pure_dict(state)
+        if layer_order is not None:
+            self.abstract_params = jax.eval_shape(lambda: reorder(jax.tree.map(
+                lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_params), None, layer_order))
         self.logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
 
     def init(self, key) -> dict:
-        return nnx.to_pure_dict(nnx.state(Llama(self.cfg, rngs=nnx.Rngs(params=key))))
+        params = nnx.to_pure_dict(nnx.state(Llama(self.cfg, rngs=nnx.Rngs(params=key))))
+        return reorder(params, None, self.layer_order)
 
     def module(self, params: dict) -> Llama:
         state = jax.tree.unflatten(self._state_def, jax.tree.leaves(params))
@@ -216,11 +224,11 @@ def abstract_state(model: FunctionalModel, optimizer, parts, shardings: TrainSta
 def init_state(model: FunctionalModel, optimizer, parts, shardings: TrainState, placement,
                lay: StateLayout, seed: int) -> TrainState:
     """Create the train state directly in its shards (and memory kinds), its stacked layers in
-    the plan's stored order (`parts.layer_order`)."""
+    the plan's stored order (`FunctionalModel.layer_order`)."""
     where = _where(placement, lay)
 
     def fresh(k):
-        return reorder(_fresh(model, optimizer, parts, k, where), None, parts.layer_order)
+        return _fresh(model, optimizer, parts, k, where)
     with jax.set_mesh(placement.mesh):
         return jax.jit(fresh, out_shardings=shardings)(jax.random.key(seed))
 

@@ -192,7 +192,7 @@ def make_eval_step(model: FunctionalModel, placement, parts: StepParts, device_p
     """(params, batch) -> (sum of token losses, tokens): the forward of the plan (through a
     strategy's own grads function when it has one: the pipeline engine's forward)."""
     if parts.grads is not None:
-        loss_fn = parts.grads(model, placement, forward_only=True)
+        loss_fn = parts.grads(model, placement, parts, forward_only=True)
 
         def own(params, batch):
             with use_rules(placement.mesh, placement.rules):

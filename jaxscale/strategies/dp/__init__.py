@@ -142,7 +142,7 @@ def collectives(spec) -> list[Comm]:
     if own_mean(spec):
         once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
     zero = spec.zero if spec.deg("dp") > 1 else 0
-    L = spec.stage_layers
+    L = spec.layers_per_device
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     what: dict[tuple, list] = defaultdict(list)
 
@@ -155,7 +155,7 @@ def collectives(spec) -> list[Comm]:
 
     for leaf in leaves(spec.model):
         # reduced once per micro-batch (outside the layers: on the pipeline stage using it)
-        reps = int(L) * k if leaf.stacked else pp.outer_runs(spec, leaf)
+        reps = L * k if leaf.stacked else pp.outer_runs(spec, leaf)
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
         inner = [a for a in replica if a not in once and not (a == "dp" and own_mean(spec))]
@@ -212,7 +212,7 @@ def collectives(spec) -> list[Comm]:
                 "its own, after the other data axes)")
     # XLA:CPU emits GSPMD's reduce-scatters as all-reduce + slice, but the data region's own
     # psum_scatter ("psum-scatter" above) as a reduce-scatter
-    out = [Comm("reduce-scatter" if kind == "psum-scatter" else kind, axes, nbytes, count,
+    out = [Comm("reduce-scatter" if kind == "psum-scatter" else kind, axes, nbytes, round(count),
                 "; ".join(what[(kind, axes)]), group=_group(spec, axes),
                 cpu_kind="all-reduce" if kind == "reduce-scatter" else "", overlap=True)
            for (kind, axes), (nbytes, count) in acc.items()]

@@ -167,7 +167,7 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
 def collectives(spec) -> list[Comm]:
     if not active(spec) or spec.deg("tp") == 1 or not spec.sequence_parallel:
         return []
-    t, L, k = spec.deg("tp"), spec.stage_layers, max(1, spec.accumulate)
+    t, L, k = spec.deg("tp"), spec.layers_per_device, max(1, spec.accumulate)
     elements = stream_bytes(spec) / spec.compute_itemsize / t     # one chunk
     hops = (t - 1) * L * k
     found = rings(spec)

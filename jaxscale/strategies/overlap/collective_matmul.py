@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import entry_axes, suspended
+from jaxscale.axes import entry_axes, permute, suspended
 from jaxscale.hooks.projection import plain
 from jaxscale.strategies.tp import COLUMN, ROW
 
@@ -75,10 +75,10 @@ def ring_visit(x, axis: str, bidirectional: bool):
     for s in range(1, max(kf, kb) + 1):
         # the hop of step s carries the chunk of device idx - s (forward) / idx + s (backward)
         if s <= kf:
-            f = lax.ppermute(f, axis, fwd_perm)
+            f = permute(f, axis, fwd_perm)
             yield f, (idx - s) % t
         if s <= kb:
-            b = lax.ppermute(b, axis, bwd_perm)
+            b = permute(b, axis, bwd_perm)
             yield b, (idx + s) % t
 
 
@@ -162,15 +162,15 @@ def matmul_reduce_scatter(eq: str, x, w, axis: str, *, x_seq: int = 1, out_seq: 
         # backward likewise with chunk j - kb + s, passed to j - 1
         if s < kf:
             p = part(idx + kf - s)
-            f = p if f is None else lax.ppermute(f, axis, fwd_perm) + p
+            f = p if f is None else permute(f, axis, fwd_perm) + p
         if s < kb:
             p = part(idx - kb + s)
-            b = p if b is None else lax.ppermute(b, axis, bwd_perm) + p
+            b = p if b is None else permute(b, axis, bwd_perm) + p
     out = part(idx)
     if kf:
-        out = out + lax.ppermute(f, axis, fwd_perm)
+        out = out + permute(f, axis, fwd_perm)
     if kb:
-        out = out + lax.ppermute(b, axis, bwd_perm)
+        out = out + permute(b, axis, bwd_perm)
     return out
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from jaxscale.strategies import remat
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.pp import schedules as ps
-from jaxscale.strategies.pp.program import layer_order, program_for, virtual
+from jaxscale.strategies.pp import stages
+from jaxscale.strategies.pp.program import program_for
 from jaxscale.strategies.tables.activations import stream_bytes
 from jaxscale.strategies.tables.params import leaves
 
@@ -28,12 +29,17 @@ AVAILABLE = True
 SCHEDULES = ps.NAMES
 
 
+def chunks(spec) -> int:
+    """Stages per device: `plan.virtual_stages` interleaved, 2 for ZB-V, else 1."""
+    return ps.chunks(spec.schedule, spec.virtual_stages)
+
+
 def in_flight(spec) -> float:
     """Micro-batches whose activations (residuals) a device holds at its peak, in units of its
     whole share of the layers: the engine's residual slots (`program.Program`) over v."""
     if spec.deg("pp") == 1:
         return 1.0
-    return program_for(spec).slots["res"] / virtual(spec)
+    return program_for(spec).slots["res"] / chunks(spec)
 
 
 def bubble_fraction(spec) -> float:
@@ -41,7 +47,7 @@ def bubble_fraction(spec) -> float:
     p, m = spec.deg("pp"), max(1, spec.accumulate)
     if p == 1:
         return 0.0
-    b = ps.formula_bubble(spec.schedule, p, m, virtual(spec), validate=False)
+    b = ps.formula_bubble(spec.schedule, p, m, chunks(spec), validate=False)
     return b / (1 - b)        # idle / makespan -> idle / compute: (p - 1) / m for 1F1B
 
 
@@ -50,38 +56,25 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    """What no pipeline can run: an invalid schedule for (p, m, v), more stages than layers."""
+    """What no pipeline can run: an invalid schedule for (p, m, v), a stage layout that is no
+    split of the layers."""
     p, errs = spec.deg("pp"), []
-    if p == 1:
-        return errs
-    try:
-        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages)
-    except ValueError as e:
-        errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
-    stages = p * virtual(spec)
-    if spec.model.n_layers < stages:
-        errs.append(f"model.n_layers={spec.model.n_layers} is fewer than the {stages} pipeline "
-                    f"stages: lower mesh.pp or plan.virtual_stages")
-    return errs
+    if p > 1:
+        try:
+            ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages)
+        except ValueError as e:
+            errs.append(str(e).replace("micro-batches (m)", "plan.accumulate (m)"))
+    return errs + stages.problems(spec)
 
 
 def runnable(spec) -> list[str]:
-    """What the engine (`engine.py`) cannot run yet, though the planner models it (uneven
-    stages hold ceil(L / p) layers there, as published layouts such as Llama 3 405B's do)."""
+    """What the engine (`engine.py`) cannot run, though the planner models it."""
     p, errs = spec.deg("pp"), []
     if p == 1:
         return errs
-    try:
-        ps.check(spec.schedule, p, max(1, spec.accumulate), spec.virtual_stages,
-                 spec.model.n_layers)
-    except ValueError as e:
-        errs.append(str(e))
     if not spec.model.scan_layers:
         errs.append("mesh.pp>1 splits the stacked layers: set model.scan_layers=true")
-    for what, bad in (("sequence or context parallelism (mesh.sp>1)", spec.deg("sp") > 1),
-                      ("expert parallelism (mesh.ep>1)", spec.deg("ep") > 1),
-                      ("a mixture-of-experts model", spec.moe),
-                      ("plan.remat=offload", spec.remat == "offload"),
+    for what, bad in (("plan.remat=offload", spec.remat == "offload"),
                       ("host offload (plan.offload)", spec.offload != "none")):
         if bad:
             errs.append(f"mesh.pp={p} with {what} is not supported yet: set mesh.pp=1, or drop "
@@ -105,10 +98,11 @@ def collectives(spec) -> list[Comm]:
     prog = program_for(spec)
     act = stream_bytes(spec)
     outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
+    rings = " and ".join(k for k, r in prog.rings.items() if r)
     return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
-                 f"stage boundary, {prog.ticks} ticks: activations forward, their gradients "
-                 f"backward ({prog.useful_sends} of the sends carry data)", group=p, overlap=True,
-                 minimum=prog.useful_sends * act),
+                 f"stage boundary, {prog.ticks} ticks on the {rings} ring: activations "
+                 f"forward, their gradients backward ({prog.useful_sends} of the sends carry "
+                 f"data)", group=p, overlap=True, minimum=prog.useful_sends * act),
             Comm("all-reduce", ("pp",), outer, 1, "gradients of the embedding, final norm and "
                  "head (fp32), from the stages that use them", group=p)]
 
@@ -137,10 +131,10 @@ def memory(spec) -> list[Term]:
     received, gradients received or to send), one [micro-batch, seq, dim] each."""
     if spec.deg("pp") == 1:
         return []
-    slots, v, la = program_for(spec).slots, virtual(spec), remat.activations(spec)
+    slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
     stream = stream_bytes(spec)
-    out = [Term("activations", la.saved * spec.stage_layers * extra,
+    out = [Term("activations", la.saved * spec.stored_layers * extra,
                 f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
                 f"and of the one being stored"),
            Term("activations", stream * (slots["act"] + slots["grad"]),
@@ -159,9 +153,9 @@ def shape_step(spec, parts) -> None:
     the stacked layers stored in the schedule's order (`program.layer_order`)."""
     if active(spec):
         parts.set("grads", _engine, by=NAME)
-        parts.set("layer_order", layer_order(spec), by=NAME)
+        parts.set("layer_order", stages.layer_order(spec), by=NAME)
 
 
-def _engine(model, placement, block_wrapper=None, forward_only: bool = False):
+def _engine(model, placement, parts, forward_only: bool = False):
     from jaxscale.strategies.pp.engine import make_grads_fn
-    return make_grads_fn(model, placement, block_wrapper, forward_only)
+    return make_grads_fn(model, placement, parts, forward_only)

@@ -1,5 +1,4 @@
-"""A pipeline schedule as the engine runs it: ticks, branches and buffer slots; the stored layer
-order it implies.
+"""A pipeline schedule as the engine runs it: ticks, branches, buffer slots and transfers.
 
 `compile_schedule` turns a schedule (`schedules.py`: per device, an ordered list of F / B / W
 ops) into a table of ticks: the schedule simulated with every op costing one tick, so each device
@@ -9,10 +8,17 @@ the peak number of values alive at once: GPipe's residual buffer has m slots, 1F
 planner reads the same table (`program_for`): the permutes per step, the slots in flight, the
 share of each branch.
 
-Stage s (of S = p v) lives on device s mod p as its chunk s // p. Device d's local share of the
-stacked layers is chunk-major: with interleaving (v > 1) the stored layer order is a permutation
-of the model's (`layer_order`), which `reorder` undoes or redoes, e.g. when a checkpoint is
-restored under another plan. No JAX here but in `reorder`.
+Buffers per device: `act` (stage inputs received), `grad` (output gradients received, or the
+last stage's own), `res` (what a forward keeps for its backward) and, when the backward is split
+(ZB-H1, ZB-V), `tape` (the matmul inputs and output gradients a B keeps for its W; B frees the
+residuals, W only the tape). Transfers: a stage's output goes to the next stage's device over
+the `up` ring (d -> d+1) or the `down` ring (d -> d-1), or stays on the device (ZB-V's turn on
+the last device, where stages p-1 and p meet); its input gradient the other way. Each ring is one
+collective-permute per tick over the pairs the schedule ever uses (interleaving wraps from the
+last device to the first).
+
+A branch is (kind, first row of the stage's block on its device, the stage's layers, first
+stage?, last stage?): uneven stages (`stages.py`) run scans of their own length. No JAX here.
 """
 from __future__ import annotations
 
@@ -22,63 +28,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxscale.strategies.pp import schedules as ps
+from jaxscale.strategies.pp import stages as st
+from jaxscale.strategies.pp.simulator import simulate
 
-
-def virtual(spec) -> int:
-    """Virtual stages per device: `plan.virtual_stages` for the interleaved schedule, else 1."""
-    return spec.virtual_stages if spec.schedule == "interleaved" else 1
-
-
-def layer_order(spec) -> list[int] | None:
-    """Stored row -> model layer of the stacked layers under this plan; None for the model's
-    own order. Interleaving (v > 1) stores device d's chunks c = 0..v-1 (stages c p + d) in its
-    contiguous share of rows, so the layers axis can stay a plain split over pp."""
-    p, v = spec.deg("pp"), virtual(spec)
-    if p == 1 or v == 1:
-        return None
-    per = spec.model.n_layers // (p * v)
-    return [(c * p + d) * per + i for d in range(p) for c in range(v) for i in range(per)]
-
-
-def reorder(tree, saved: list[int] | None, wanted: list[int] | None):
-    """`tree` (params, a train state: any tree whose stacked layers sit under a "layers" key) with
-    its layers moved from the stored order `saved` to `wanted` (None: the model's order; see
-    `layer_order`). Traceable; eagerly, each array keeps its sharding."""
-    import jax
-    L = next((leaf.shape[0] for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-              if _is_layers(path)), None)
-    if L is None or (saved or list(range(L))) == (wanted or list(range(L))):
-        return tree
-    row_of = {layer: r for r, layer in enumerate(saved or range(L))}
-    take = np.array([row_of[layer] for layer in (wanted or range(L))])
-
-    def move(a):
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-            return jax.jit(lambda a: a[take], out_shardings=a.sharding)(a)
-        return a[take]
-    return jax.tree_util.tree_map_with_path(lambda path, a: move(a) if _is_layers(path) else a,
-                                            tree)
-
-
-def _is_layers(path) -> bool:
-    return any(getattr(k, "key", None) == "layers" for k in path)
-
-
-# ----------------------------------------------------------------------------- the tick table
 IDLE = 0
-FIELDS = ("branch", "mb", "inp", "res", "out", "recv_act", "recv_grad")
+#: per tick and device: the branch, the micro-batch and stage, the slots read (`inp`: the act,
+#: grad or tape slot the op reads; `res`), written (`out`: the last stage's gradient; `tape`),
+#: where the op's output goes (`send`: 0 nowhere, 1 up, 2 down, 3 kept here, at slot `keep_act`
+#: or `keep_grad`), and the slots that receive what each ring brings (-1: nothing)
+FIELDS = ("branch", "mb", "stage", "inp", "res", "out", "tape", "send", "keep_act",
+          "keep_grad", "up_act", "up_grad", "down_act", "down_grad")
+UP, DOWN, HERE = 1, 2, 3
 
 
 @dataclass(frozen=True)
 class Program:
     """A schedule as the engine runs it: per tick and device the fields of `FIELDS` (branch 0 =
-    idle, slots -1 = none), the senders of each tick, and the slot counts of each buffer."""
+    idle, slots -1 = none), the ring pairs, the senders of each tick, the slot counts."""
     schedule: ps.Schedule
-    branches: tuple[tuple[str, int, bool, bool], ...]      # (kind, chunk, first, last); [0] idle
-    table: np.ndarray                                      # [ticks, p, len(FIELDS)] int32
-    send_fwd: tuple[tuple[int, ...], ...]                  # per tick, devices sending forward
-    send_bwd: tuple[tuple[int, ...], ...]
-    slots: dict                                            # {"act", "grad", "res"} -> count
+    branches: tuple[tuple, ...]                 # (kind, row0, layers, first, last); [0] idle
+    table: np.ndarray                           # [ticks, p, len(FIELDS)] int32
+    rings: dict                                 # "up" / "down" -> ((src, dst), ...) used
+    sends: dict                                 # "up" / "down" -> per tick, devices sending
+    slots: dict                                 # {"act", "grad", "res", "tape"} -> count
 
     @property
     def ticks(self) -> int:
@@ -90,14 +62,14 @@ class Program:
 
     @property
     def permutes(self) -> int:
-        """Collective-permutes per step: one forward (and one backward) per tick."""
-        return self.ticks * (1 if self.forward_only else 2)
+        """Collective-permutes per step: one per used ring and tick."""
+        return self.ticks * sum(1 for r in self.rings.values() if r)
 
     @property
     def useful_sends(self) -> int:
-        """Ticks in which some device has an activation (or gradient) to send: the permutes an
-        unrolled engine would issue (the tick loop sends zeros in the others)."""
-        return sum(map(bool, self.send_fwd)) + sum(map(bool, self.send_bwd))
+        """Ring-ticks in which some device has a value to send: the permutes an unrolled engine
+        would issue (the tick loop sends zeros in the others)."""
+        return sum(sum(map(bool, s)) for s in self.sends.values())
 
     def branch_share(self) -> list[float]:
         """Per branch, the fraction of (tick, device) slots it fills: how often the switch runs it,
@@ -120,32 +92,46 @@ class _Pool:
         self.free.append(slot)
 
 
-def compile_schedule(schedule: ps.Schedule, forward_only: bool = False) -> Program:
-    """Ticks, branches and slots of `schedule` (forward_only: its F ops, for evaluation)."""
+def _direction(p: int, src: int, dst: int) -> int:
+    if src == dst:
+        return HERE
+    return UP if dst == (src + 1) % p else DOWN
+
+
+def compile_schedule(schedule: ps.Schedule, counts: tuple[int, ...] | None = None,
+                     forward_only: bool = False) -> Program:
+    """Ticks, branches and slots of `schedule` with `counts` layers per stage (None: equal
+    stages of one layer each, for tables that do not run), forward_only: its F ops only."""
     p, v, S = schedule.p, schedule.v, schedule.stages
+    counts = counts or (1,) * S
+    rows = max(counts)
     if forward_only:
         schedule = ps.Schedule(schedule.name, p, schedule.m, v, tuple(
-            tuple(op for op in prog if op.kind == "F") for prog in schedule.programs))
+            tuple(op for op in prog if op.kind == "F") for prog in schedule.programs),
+            schedule.placement)
     split = schedule.split_backward
-    res = ps.simulate(schedule, v, v, v if split else None)       # every op one unit
+    res = simulate(schedule, v, v, v if split else None)       # every op one unit
     times = sorted(set(res.start.values()))
     at: list[dict[int, ps.Op]] = [{} for _ in times]
     for op, t in res.start.items():
         at[times.index(t)][op.device] = op
-    branches: list = [("idle", 0, False, False)]
+    branches: list = [("idle", 0, 0, False, False)]
     table = np.full((len(times), p, len(FIELDS)), -1, np.int32)
     table[..., 0] = IDLE
-    pools = [{k: _Pool() for k in ("act", "grad", "res")} for _ in range(p)]
+    table[..., FIELDS.index("send")] = 0
+    pools = [{k: _Pool() for k in ("act", "grad", "res", "tape")} for _ in range(p)]
     held: dict[tuple, int] = {}        # (buffer, stage, micro-batch) -> slot, on the stage's device
-    send_f, send_b = [], []
+    rings = {"up": set(), "down": set()}
+    sends = {"up": [], "down": []}
+    col = {f: i for i, f in enumerate(FIELDS)}
     for t, ops in enumerate(at):
-        sf, sb = [], []
+        out = []                       # (device, value kind, target stage, micro-batch, target)
         for d, op in sorted(ops.items()):
             s, j, pool = op.stage, op.micro_batch, pools[d]
-            key = (op.kind, s // p, s == 0, s == S - 1)
+            key = (op.kind, schedule.chunk_of(s) * rows, counts[s], s == 0, s == S - 1)
             if key not in branches:
                 branches.append(key)
-            row = dict(branch=branches.index(key), mb=j)
+            row = dict(branch=branches.index(key), mb=j, stage=s)
             if op.kind == "F":
                 if s > 0:
                     row["inp"] = held.pop(("act", s, j))
@@ -155,37 +141,47 @@ def compile_schedule(schedule: ps.Schedule, forward_only: bool = False) -> Progr
                 if s == S - 1 and not forward_only:
                     row["out"] = held[("grad", s, j)] = pool["grad"].take()
                 elif s < S - 1:
-                    sf.append(d)
-            else:
+                    out.append((d, "act", s + 1, j))
+            elif op.kind == "B":
                 row["res"], row["inp"] = held[("res", s, j)], held[("grad", s, j)]
-                if op.kind == "W" or not split:
-                    pool["res"].give(held.pop(("res", s, j)))
-                    pool["grad"].give(held.pop(("grad", s, j)))
-                if op.kind == "B" and s > 0:
-                    sb.append(d)
+                pool["res"].give(held.pop(("res", s, j)))
+                pool["grad"].give(held.pop(("grad", s, j)))
+                if split:
+                    row["tape"] = held[("tape", s, j)] = pool["tape"].take()
+                if s > 0:
+                    out.append((d, "grad", s - 1, j))
+            else:                      # W: the tape of its B
+                row["inp"] = held.pop(("tape", s, j))
+                pool["tape"].give(row["inp"])
             for k, val in row.items():
-                table[t, d, FIELDS.index(k)] = val
-        for d in sf:                   # received at the end of the tick, after every op ran
-            op, r = ops[d], (d + 1) % p
-            table[t, r, FIELDS.index("recv_act")] = held[("act", op.stage + 1, op.micro_batch)] \
-                = pools[r]["act"].take()
-        for d in sb:
-            op, r = ops[d], (d - 1) % p
-            table[t, r, FIELDS.index("recv_grad")] = held[("grad", op.stage - 1, op.micro_batch)] \
-                = pools[r]["grad"].take()
-        send_f.append(tuple(sf))
-        send_b.append(tuple(sb))
+                table[t, d, col[k]] = val
+        for name in sends:
+            sends[name].append([])
+        for d, kind, target, j in out:     # received at the end of the tick, after every op ran
+            r = schedule.device_of(target)
+            way = _direction(p, d, r)
+            slot = held[(kind, target, j)] = pools[r][kind].take()
+            table[t, d, col["send"]] = way
+            if way == HERE:
+                table[t, d, col[f"keep_{kind}"]] = slot
+                continue
+            name = "up" if way == UP else "down"
+            rings[name].add((d, r))
+            sends[name][-1].append(d)
+            table[t, r, col[f"{name}_{kind}"]] = slot
     assert not held, f"values never consumed: {sorted(held)[:4]}"
-    slots = {k: max(1, max(pl[k].size for pl in pools)) for k in ("act", "grad", "res")}
-    return Program(schedule, tuple(branches), table, tuple(send_f), tuple(send_b), slots)
+    slots = {k: max(1, max(pl[k].size for pl in pools)) for k in ("act", "grad", "res", "tape")}
+    return Program(schedule, tuple(branches), table,
+                   {k: tuple(sorted(r)) for k, r in rings.items()},
+                   {k: tuple(tuple(x) for x in s) for k, s in sends.items()}, slots)
 
 
 def program_for(spec, forward_only: bool = False) -> Program:
     """The plan's schedule as the engine runs it (cached: the planner asks often)."""
-    return _program(spec.schedule, spec.deg("pp"), max(1, spec.accumulate), virtual(spec),
-                    forward_only)
+    return _program(spec.schedule, spec.deg("pp"), max(1, spec.accumulate),
+                    ps.chunks(spec.schedule, spec.virtual_stages), st.counts(spec), forward_only)
 
 
 @functools.lru_cache(maxsize=256)
-def _program(name: str, p: int, m: int, v: int, forward_only: bool) -> Program:
-    return compile_schedule(ps.make(name, p, m, v), forward_only)
+def _program(name: str, p: int, m: int, v: int, counts: tuple, forward_only: bool) -> Program:
+    return compile_schedule(ps.make(name, p, m, v), counts, forward_only)

@@ -1,11 +1,12 @@
-"""Pipeline schedules as data, a discrete-event simulator for them, and a Gantt drawing.
+"""Pipeline schedules as data: per device, the ordered ops it runs, and their closed forms.
 
 A schedule is, per device, the ordered list of ops that device executes; an op is a forward (F),
-a backward (B) or, in ZB-H1 only, a weight-gradient pass (W) of one micro-batch on one stage.
-There are p devices and S = p v stages; stage k lives on device k % p (with v = 1: stage = device).
-`simulate` runs the lists with op costs and the dependencies of the model, `table` lists the
-result as rows (tick, device, stage, micro_batch, op), `draw` makes a PNG of it. Nothing here
-needs JAX: the planner reads the numbers and a pipeline engine can run the same lists.
+a backward (B) or, in the zero-bubble schedules, a weight-gradient pass (W) of one micro-batch on
+one stage. There are p devices and S = p v stages (v chunks per device); `Schedule.placement`
+says which device holds each stage: stage k on device k % p (the loop placement: v = 1, or
+Megatron's interleaving), or the V placement of ZB-V (device d holds stages d and 2p-1-d, so the
+first and the last stage share device 0). `simulator.py` runs the lists with op costs; the
+planner reads the closed forms here; the engine runs the same lists (`program.py`). No JAX.
 
 Schedules (p devices, m micro-batches, v virtual stages per device; bubble = idle time over
 devices x makespan, with stages of equal cost and free communication; memory = micro-batches
@@ -26,37 +27,38 @@ whose activations the busiest device (device 0) holds at its peak):
   against 1F1B's (p-1)(T_F+T_B+T_W) (exact in the simulator while T_W <= min(T_F, T_B)): a
   third with T_F = T_B = T_W, fraction (p-1)/(3m+p-1). Memory p on device 0, like 1F1B (the
   deferred W passes raise device d from 1F1B's p-d to p); m >= p.
+- zb-v: Zero Bubble V (the same paper's V-shaped schedule, torchtitan's ZBVZeroBubble): two
+  chunks per device in the V placement, B and W split as in ZB-H1. A micro-batch runs down the
+  devices and back up, so device 0 starts the backward as soon as its forward has crossed the
+  pipeline twice, and its W passes fill what is left: with T_F = T_B = T_W the only idle time is
+  each device's wait for the first forward to reach it, d chunk-forwards at the start and as many
+  at the end, (p-1) T_F / 2 per device on average (against ZB-H1's (p-1) T_F), fraction
+  (p-1)/(6m+p-1). Memory p on device 0, like 1F1B (2p chunk-activations of half its layers);
+  m >= 2p (with fewer, the warm-up cannot fill the pipeline twice and the idle time grows).
+  The order of each device's list is `zb_v`'s.
 
-Costs (`simulate`). t_f and t_b are the forward and backward cost of one micro-batch on one
-device's share of the layers (a virtual stage costs t_f / v and t_b / v). When t_w is None, t_b is
-the whole backward; ZB-H1 then splits it into B = W = t_b / 2. When t_w is given, t_b is the
-input-gradient part and t_w the weight-gradient part: ZB-H1 runs them as B and W, the other
-schedules as one B of t_b + t_w. So `simulate(s, 1, 1, 1)` is the ZB paper's unit convention
-(T_F = T_B = T_W = 1) for ZB-H1 and a backward of 2 for 1F1B, the comparison the paper makes,
-and `simulate(s, 1, 2)` gives the same costs. t_comm is added to every dependency that crosses
-devices (stage k-1 -> k forward, k+1 -> k backward).
-
-Memory counting. The activations of (stage, micro-batch) are alive from the start of its F to
-the end of its last backward op: B, or W in ZB-H1 (W needs the layer inputs that F saved, so
-deferring W keeps them). A device's count is in micro-batches of its whole share of the layers:
-stage-activations / v. Because a device runs its list in order, the peak does not depend on
-costs.
+Memory counting (`in_flight`). The activations of (stage, micro-batch) are alive from the start
+of its F to the end of its last backward op: B, or W when the backward is split (W needs the
+matmul inputs F saved, so deferring W keeps them). A device's count is in micro-batches of its
+whole share of the layers: stage-activations / v. Because a device runs its list in order, the
+peak does not depend on costs.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import NamedTuple
 
-NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 NEEDS_M_GE_P = ("interleaved", "zb-h1")
+#: schedules whose backward is split into B (input gradient) and W (weight gradient)
+SPLIT = ("zb-h1", "zb-v")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Op:
     """One unit of pipeline work: F, B or W of micro-batch `micro_batch` on (virtual) `stage`."""
-    kind: str          # "F" forward; "B" backward (ZB-H1: input gradient only, else all of it);
-    stage: int         # "W" weight gradient (ZB-H1 only)
+    kind: str          # "F" forward; "B" backward (zero bubble: the input gradient only);
+    stage: int         # "W" weight gradient (zero bubble only)
     micro_batch: int
     device: int
 
@@ -64,18 +66,45 @@ class Op:
         return f"{self.kind}{self.micro_batch}@s{self.stage}"
 
 
+def loop_placement(p: int, v: int = 1) -> tuple[int, ...]:
+    """Stage k on device k % p: one stage per device, or Megatron's interleaved chunks."""
+    return tuple(k % p for k in range(p * v))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    """ZB-V's: device d holds stages d and 2p-1-d."""
+    return tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Per device, the ordered list of ops it executes (`programs[d]`)."""
+    """Per device, the ordered list of ops it executes (`programs[d]`); `placement[k]` is the
+    device of stage k (None: the loop placement)."""
     name: str
     p: int
     m: int
     v: int
     programs: tuple[tuple[Op, ...], ...]
+    placement: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.placement is None:
+            object.__setattr__(self, "placement", loop_placement(self.p, self.v))
 
     @property
     def stages(self) -> int:
         return self.p * self.v
+
+    def device_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def chunk_of(self, stage: int) -> int:
+        """The stage's place among its device's stages, in stage order (the device's chunk)."""
+        d = self.placement[stage]
+        return sum(1 for k in range(stage) if self.placement[k] == d)
+
+    def stage_of(self, device: int, chunk: int) -> int:
+        return [k for k in range(self.stages) if self.placement[k] == device][chunk]
 
     @property
     def split_backward(self) -> bool:
@@ -84,71 +113,36 @@ class Schedule:
     def ops(self) -> list[Op]:
         return [op for prog in self.programs for op in prog]
 
-    def table(self, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None,
-              t_comm: float = 0.0) -> list["Row"]:
-        """Rows (tick, device, stage, micro_batch, op) of a simulation with these costs."""
-        return simulate(self, t_f, t_b, t_w, t_comm).table()
 
-
-class Row(NamedTuple):
-    tick: float        # start time, in the cost units (integers for integer costs and v = 1)
-    device: int
-    stage: int
-    micro_batch: int
-    op: str
-
-
-@dataclasses.dataclass
-class Result:
-    """What `simulate` found: start and end of every op, makespan, bubble, peak memory."""
-    schedule: Schedule
-    start: dict[Op, float]
-    end: dict[Op, float]
-    makespan: float
-    busy: list[float]                  # per device
-    bubble: float                      # idle / (devices x makespan)
-    in_flight: list[float]             # per device, peak micro-batches of activations (see top)
-
-    @property
-    def peak_in_flight(self) -> float:
-        return max(self.in_flight)
-
-    @property
-    def overhead(self) -> float:
-        """Idle time over compute time: Megatron's form of the bubble ((p-1)/m for 1F1B), the one
-        the planner's `strategies.pp.bubble_fraction` uses; bubble = overhead / (1 + overhead)."""
-        return self.bubble / (1 - self.bubble)
-
-    def table(self) -> list[Row]:
-        rows = [Row(self.start[op], op.device, op.stage, op.micro_batch, op.kind)
-                for op in self.start]
-        return sorted(rows, key=lambda r: (r.tick, r.device))
+def chunks(name: str, v: int = 1) -> int:
+    """Chunks (virtual stages) per device: v for interleaved, 2 for ZB-V, else 1."""
+    return v if name == "interleaved" else 2 if name == "zb-v" else 1
 
 
 # ----------------------------------------------------------------------------- validation
 
-def check(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:
+def check(name: str, p: int, m: int, v: int = 1) -> None:
     """Raise ValueError, naming the numbers and the fix, when (name, p, m, v) is no schedule."""
     if name not in NAMES:
         raise ValueError(f"plan.schedule={name!r} is unknown: valid are {', '.join(NAMES)}")
     for key, val in (("pp (p)", p), ("micro-batches (m)", m), ("plan.virtual_stages (v)", v)):
         if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
             raise ValueError(f"{key}={val!r}: must be an integer >= 1")
-    if v > 1 and name != "interleaved":
+    if v > 1 and name != "interleaved" and not (name == "zb-v" and v == 2):
         raise ValueError(f"plan.virtual_stages={v} applies only to plan.schedule=interleaved "
-                         f"(got {name!r}): set plan.virtual_stages=1 or plan.schedule=interleaved")
+                         f"(got {name!r}; zb-v always holds 2): set plan.virtual_stages=1 or "
+                         f"plan.schedule=interleaved")
     if name in NEEDS_M_GE_P and m < p:
         raise ValueError(f"plan.schedule={name} needs at least as many micro-batches as pipeline "
                          f"stages: m={m} < p={p}; set plan.accumulate >= {p}, or use 1f1b/gpipe")
+    if name == "zb-v" and m < 2 * p:
+        raise ValueError(f"plan.schedule=zb-v needs at least twice as many micro-batches as "
+                         f"pipeline devices: m={m} < 2p={2 * p}; set plan.accumulate >= {2 * p}, "
+                         f"or use zb-h1")
     if name == "interleaved" and m % p:
         lo, hi = m // p * p, (m // p + 1) * p
         raise ValueError(f"plan.schedule=interleaved needs the micro-batch count to be a multiple "
                          f"of p={p}: m={m}; use m={lo} or m={hi}")
-    if n_layers is not None and n_layers % (p * v):
-        what = f"p x v = {p} x {v} = {p * v}" if v > 1 else f"p = {p}"
-        raise ValueError(f"model.n_layers={n_layers} is not divisible by the {p * v} pipeline "
-                         f"stages ({what}): pick n_layers, pp or virtual_stages so that "
-                         f"{p * v} divides n_layers")
 
 
 # ----------------------------------------------------------------------------- generators
@@ -235,10 +229,50 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, tuple(progs))
 
 
-def make(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> Schedule:
-    """The schedule `name` (one of NAMES) for p devices, m micro-batches, v virtual stages; with
-    n_layers, also checks that the p v stages split the layers evenly."""
-    check(name, p, m, v, n_layers)
+def zb_v(p: int, m: int) -> Schedule:
+    """Zero Bubble V over the V placement: device d (chunks c0 = d, c1 = 2p-1-d) warms up with
+    2(p-d)-1 forwards of c0, d pairs (F c1, F c0) and p-d triples (F, B, W) of c1; then, while
+    forwards remain, (F, B, W) of c0 and of c1 in turn; then the remaining B passes, c0 before c1
+    each round, and the W passes left (c1's, then c0's). Peak: 2p chunk-activations (p
+    micro-batches of the device's layers); m >= 2p."""
+    check("zb-v", p, m, 2)
+    progs = []
+    for d in range(p):
+        c0, c1 = d, 2 * p - 1 - d
+        items: list = []
+        done = {(k, c): 0 for k in "FBW" for c in (c0, c1)}
+
+        def run(kind, c):
+            bound = m if kind == "F" else done["F" if kind == "B" else "B", c]
+            if done[kind, c] < bound:
+                items.append((kind, c, done[kind, c]))
+                done[kind, c] += 1
+
+        for _ in range(2 * (p - d) - 1):
+            run("F", c0)
+        for _ in range(d):
+            run("F", c1)
+            run("F", c0)
+        for _ in range(p - d):
+            for kind in "FBW":
+                run(kind, c1)
+        while done["F", c0] < m or done["F", c1] < m:
+            for c in (c0, c1):
+                for kind in "FBW":
+                    run(kind, c)
+        while done["B", c0] < m or done["B", c1] < m:
+            run("B", c0)
+            run("B", c1)
+        for c in (c1, c0):
+            while done["W", c] < m:
+                run("W", c)
+        progs.append(_prog(d, items))
+    return Schedule("zb-v", p, m, 2, tuple(progs), v_placement(p))
+
+
+def make(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule `name` (one of NAMES) for p devices, m micro-batches, v virtual stages."""
+    check(name, p, m, v)
     if name == "naive":
         return naive(p, m)
     if name == "gpipe":
@@ -247,61 +281,39 @@ def make(name: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> 
         return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved(p, m, v)
+    if name == "zb-v":
+        return zb_v(p, m)
     return zb_h1(p, m)
 
 
-# ----------------------------------------------------------------------------- simulator
+# ----------------------------------------------------------------------------- closed forms
 
-def deps(op: Op, stages: int) -> list[Op]:
-    """The (kind, stage, micro_batch) of the ops `op` waits for; stage k runs on device k % p."""
-    s, j = op.stage, op.micro_batch
-    if op.kind == "F":
-        return [("F", s - 1, j)] if s > 0 else []
-    if op.kind == "B":
-        return [("B", s + 1, j)] if s < stages - 1 else [("F", s, j)]
-    return [("B", s, j)]
-
-
-def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None,
-             t_comm: float = 0.0) -> Result:
-    """Run each device's list in order; an op starts when its device is free and its inputs have
-    arrived (+ t_comm across devices). Raises RuntimeError if the lists deadlock."""
-    sc, p, v = schedule, schedule.p, schedule.v
-    if sc.split_backward:
-        cost = {"F": t_f, "B": t_b / 2 if t_w is None else t_b,
-                "W": t_b / 2 if t_w is None else t_w}
+def formula_bubble(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
+                   t_w: float = 1.0, validate: bool = True) -> float | None:
+    """The closed-form bubble (idle / devices x makespan), equal stages, free communication.
+    The costs matter only for the zero-bubble schedules (T_F, T_B, T_W, the paper's split; one
+    unit each by default): ZB-H1's bubble time (p-1)(T_F+T_B-T_W) next to m (T_F+T_B+T_W) of
+    work, (p-1)/(3m+p-1) at unit costs, while T_W <= min(T_F, T_B); ZB-V's (p-1) T_F / 2 at
+    equal costs, (p-1)/(6m+p-1). Beyond those costs, None. `validate=False` evaluates the form
+    for any (p, m, v) (the planner reports a plan's problems separately)."""
+    if validate:
+        check(name, p, m, v)
+    if name == "naive":
+        return (p - 1) / p
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    work = m * (t_f + t_b + t_w)
+    if name == "zb-v":
+        if not t_f == t_b == t_w:
+            return None              # the list scheduler's lists are built at equal costs
+        idle = (p - 1) * t_f / 2
+    elif t_w > min(t_f, t_b):
+        return None                  # W too long to hide in the drain: no closed form here
     else:
-        cost = {"F": t_f, "B": t_b + (t_w or 0.0)}
-    cost = {k: c / v for k, c in cost.items()}
-    end: dict[tuple, float] = {}                  # (kind, stage, micro_batch) -> end time
-    start: dict[Op, float] = {}
-    endo: dict[Op, float] = {}
-    pc, free = [0] * p, [0.0] * p
-    left = sum(len(prog) for prog in sc.programs)
-    while left:
-        progressed = False
-        for d in range(p):
-            prog = sc.programs[d]
-            while pc[d] < len(prog):
-                op = prog[pc[d]]
-                need = deps(op, sc.stages)
-                if any(k not in end for k in need):
-                    break
-                t = free[d]
-                for k in need:
-                    t = max(t, end[k] + (t_comm if k[1] % p != d else 0.0))
-                start[op], endo[op] = t, t + cost[op.kind]
-                end[(op.kind, op.stage, op.micro_batch)] = free[d] = endo[op]
-                pc[d] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(sc.programs[d][pc[d]]) for d in range(p) if pc[d] < len(sc.programs[d])]
-            raise RuntimeError(f"schedule {sc.name} deadlocks: waiting ops {', '.join(stuck)}")
-    makespan = max(endo.values())
-    busy = [sum(endo[op] - start[op] for op in prog) for prog in sc.programs]
-    bubble = 1 - sum(busy) / (p * makespan)
-    return Result(sc, start, endo, makespan, busy, bubble, in_flight(sc))
+        idle = (p - 1) * (t_f + t_b - t_w)
+    return idle / (work + idle)
 
 
 def in_flight(schedule: Schedule) -> list[float]:
@@ -315,80 +327,3 @@ def in_flight(schedule: Schedule) -> list[float]:
             peak = max(peak, n)
         out.append(peak / schedule.v)
     return out
-
-
-def formula_bubble(name: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
-                   t_w: float = 1.0, validate: bool = True) -> float | None:
-    """The closed-form bubble (idle / devices x makespan), equal stages, free communication.
-    The costs matter only for zb-h1 (T_F, T_B, T_W, the paper's split; one unit each by default):
-    bubble time (p-1)(T_F+T_B-T_W) next to m (T_F+T_B+T_W) of work, (p-1)/(3m+p-1) at unit
-    costs. That form holds (the simulator agrees exactly) while T_W <= min(T_F, T_B); beyond,
-    None. `validate=False` evaluates the form for any (p, m, v) (the planner reports a plan's
-    problems separately)."""
-    if validate:
-        check(name, p, m, v)
-    if name == "naive":
-        return (p - 1) / p
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if t_w > min(t_f, t_b):
-        return None                  # W too long to hide in the drain: no closed form here
-    idle = (p - 1) * (t_f + t_b - t_w)
-    return idle / (m * (t_f + t_b + t_w) + idle)
-
-
-# ----------------------------------------------------------------------------- drawing
-
-COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
-
-
-def _gantt(ax, result: Result) -> None:
-    sc = result.schedule
-    for op, t0 in result.start.items():
-        dt = result.end[op] - t0
-        chunk = op.stage // sc.p
-        shade = 1.0 - 0.45 * chunk / max(1, sc.v - 1)         # later chunks lighter
-        ax.barh(op.device, dt, left=t0, height=0.8, color=COLOURS[op.kind],
-                alpha=shade, edgecolor="black", linewidth=0.4)
-        ax.text(t0 + dt / 2, op.device, str(op.micro_batch), ha="center", va="center",
-                fontsize=6 if dt * 40 < result.makespan else 7, color="white")
-    ax.set_ylim(sc.p - 0.5, -0.5)
-    ax.set_xlim(0, result.makespan)
-    ax.set_yticks(range(sc.p), [f"dev {d}" for d in range(sc.p)])
-    vtxt = f", v={sc.v}; lighter = later chunk" if sc.v > 1 else ""
-    ax.set_title(f"{sc.name} (p={sc.p}, m={sc.m}{vtxt}): bubble {result.bubble:.1%}, "
-                 f"peak in flight {result.in_flight[0]:g} on dev 0", fontsize=9, loc="left")
-
-
-def draw(schedule: Schedule, result: Result | None = None, path: str = "pipeline.png", *,
-         also: tuple[tuple[Schedule, Result | None], ...] = ()) -> str:
-    """Write a Gantt chart PNG: devices as rows, time on x, F / B / W coloured (interleaved:
-    later chunks lighter), micro-batch numbers in the boxes, the bubble in the title. `also`:
-    more (schedule, result) pairs, stacked below on one time axis. A result left None is
-    `simulate(schedule)` with the default costs. Returns the path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    pairs = [(schedule, result), *also]
-    results = [r if r is not None else simulate(s) for s, r in pairs]
-    heights = [0.9 + 0.32 * r.schedule.p for r in results]
-    fig, axes = plt.subplots(len(results), 1, figsize=(13, sum(heights)), sharex=True,
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, r in zip(axes[:, 0], results):
-        _gantt(ax, r)
-    span = max(r.makespan for r in results)
-    axes[-1, 0].set_xlim(0, span)
-    axes[-1, 0].set_xlabel("time (units of T_F)")
-    kinds = sorted({op.kind for r in results for op in r.start}, key="FBW".index)
-    names = {"F": "forward", "B": "backward (input grad in ZB)", "W": "weight grad (ZB)"}
-    top = 1 - 0.3 / sum(heights)
-    fig.legend(handles=[Patch(color=COLOURS[k], label=names[k]) for k in kinds],
-               loc="upper right", fontsize=8, ncol=len(kinds), frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, top))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -117,7 +117,7 @@ def collectives(spec) -> list[Comm]:
     if sp == 1:
         return []
     m, k, t = spec.model, max(1, spec.accumulate), spec.deg("tp")
-    L = spec.stage_layers
+    L = spec.layers_per_device
     tokens = spec.micro_batch * spec.local_seq
     beta = spec.compute_itemsize
     kv = 2 * tokens * m.n_kv_heads * m.hd / t * beta          # the local K and V blocks

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale.axes import permute
 from jaxscale.hooks.attention import _on_cuda_gpu, choose
 from jaxscale.kernels import blockwise as bw
 from jaxscale.kernels import flash_attention as fa
@@ -218,7 +219,7 @@ def _shard_index(cfg, x):
 # ----------------------------------------------------------------------------- ring
 def _rotate(cfg, x):
     """Shard i sends x to shard i+1 (one collective-permute)."""
-    return lax.ppermute(x, cfg.axis_name, [(i, (i + 1) % cfg.sp) for i in range(cfg.sp)])
+    return permute(x, cfg.axis_name, [(i, (i + 1) % cfg.sp) for i in range(cfg.sp)])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

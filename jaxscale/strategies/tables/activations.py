@@ -206,9 +206,9 @@ def expert_rows(spec) -> float:
 
 
 def moe_layers(spec) -> int:
-    """MoE layers on the busiest pipeline stage."""
+    """MoE layers a device runs, averaged over the pipeline's devices (the census's view)."""
     m = spec.model
-    return -(-m.n_moe_layers // spec.deg("pp")) if spec.moe else 0
+    return m.n_moe_layers / spec.deg("pp") if spec.moe else 0
 
 
 def experts(spec) -> Experts | None:

@@ -53,6 +53,9 @@ class Leaf:
         for dim, ax in zip(self.shape, self.axes):
             axes = [m for m in table.get(ax, ()) if m not in used]
             used.update(axes)
+            if ax == "layers" and "pp" in axes:      # the stages' blocks, padding included
+                out.append(spec.stored_layers)
+                continue
             out.append(math.ceil(dim / math.prod(spec.deg(m) for m in axes if m not in drop)))
         return tuple(out)
 

@@ -68,7 +68,7 @@ def collectives(spec) -> list[Comm]:
     t = spec.deg("tp")
     if t == 1:
         return []
-    L, k = spec.stage_layers, max(1, spec.accumulate)
+    L, k = spec.layers_per_device, max(1, spec.accumulate)
     act = stream_bytes(spec)
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
     grouped = spec.tp_overlap == "none"      # the column groups (`columns.py`); else the rings
