@@ -130,13 +130,16 @@ def suspended():
 
 
 @contextlib.contextmanager
-def manual(mesh_axes: Sequence[str]):
+def manual(mesh_axes: Sequence[str], pieces: bool = True):
     """While tracing the body of a `shard_map` manual over `mesh_axes` (the others left to
     GSPMD): `constrain`, and the model's seams, lay arrays out on the body's mesh (whose
-    `mesh_axes` are manual) by the active rules less those axes. A no-op outside `use_rules`."""
+    `mesh_axes` are manual) by the active rules less those axes. A no-op outside `use_rules`.
+    `pieces`: the body's arrays are pieces of whole arrays over these axes (a data region's rows,
+    a tensor-parallel group's shards), so that a statistic of a whole array combines them
+    (`manual_axes`); not so for the pipeline's stages, each running its own layers."""
     ctx = _ACTIVE.get()
     outer = _MANUAL.get()
-    held = _MANUAL.set(outer + tuple(a for a in mesh_axes if a not in outer))
+    held = _MANUAL.set(outer + tuple(a for a in mesh_axes if a not in outer and pieces))
     if ctx is None:
         try:
             yield
@@ -153,14 +156,29 @@ def manual(mesh_axes: Sequence[str]):
 
 
 def manual_axes() -> tuple[str, ...]:
-    """The mesh axes the code being traced runs manual over (`manual` regions, nested), e.g. to
-    take a statistic over the whole array where each device holds a piece: a per-tensor amax is
-    a max over these axes too."""
+    """The mesh axes the code being traced runs manual over (`manual` regions, nested) whose
+    devices hold pieces of one array, e.g. to take a statistic over the whole array: a
+    per-tensor amax is a max over these axes too (the pipeline's pp is not among them)."""
     return _MANUAL.get()
 
 
 def active():
     return _ACTIVE.get()
+
+
+#: the mesh axes that carry the batch (`plan.Spec.data_axes`)
+DATA_AXES = ("dp", "fsdp", "ep")
+
+
+def data_mean(x):
+    """The mean of `x` over the data shards of the manual regions being traced (a data region
+    manual over dp, say): a statistic of the whole batch where each device holds some rows;
+    `x` itself outside them. Its gradient reaches each shard as the whole statistic's."""
+    over = tuple(a for a in _MANUAL.get() if a in DATA_AXES)
+    if not over:
+        return x
+    import jax
+    return jax.lax.pmean(x, over)
 
 
 @contextlib.contextmanager

@@ -72,7 +72,7 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.axes import constrain
+from jaxscale.axes import constrain, data_mean
 from jaxscale.hooks import experts
 from jaxscale.models.layers import param
 
@@ -113,9 +113,12 @@ def expert_share(idx_BTK, n_experts: int):
 
 
 def balance_loss(probs_BTE, share_E):
-    """Switch load balancing: E * sum_e f_e P_e (f a constant to the gradient)."""
+    """Switch load balancing: E * sum_e f_e P_e (f a constant to the gradient), f and P over the
+    whole batch: inside a region manual over data axes, their means over the data shards
+    (`axes.data_mean`; the loss is a product of two means, not a mean itself)."""
     E = probs_BTE.shape[-1]
-    return E * jnp.sum(lax.stop_gradient(share_E) * jnp.mean(probs_BTE, axis=(0, 1)))
+    mean_p = data_mean(jnp.mean(probs_BTE, axis=(0, 1)))
+    return E * jnp.sum(lax.stop_gradient(share_E) * mean_p)
 
 
 def z_loss(logits_BTE):
@@ -204,7 +207,7 @@ class MoE(nnx.Module):
         # the router is read whole (gathered like an FSDP weight at use): left to itself GSPMD
         # splits its contraction over tp and all-reduces the logits
         logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K)
-        share = expert_share(idx, E)
+        share = data_mean(expert_share(idx, E))
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
         if cfg.moe_dropless and not experts.experts_split():
             y = experts.on_data_shards(ragged_experts, x_BTD, idx, w, *weights)

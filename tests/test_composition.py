@@ -1,4 +1,4 @@
-"""The composition table: every pair of 25 plan options validated as `train` validates a plan.
+"""The composition table: every pair of 26 plan options validated as `train` validates a plan.
 
 Every refusal between options that involve neither the pipeline nor mixture-of-experts is one
 that no implementation could run, named in `REASONS` with why, or one of the few `PENDING`
@@ -15,7 +15,16 @@ def table():
 
 
 def test_every_pair_is_validated(table):
-    assert len(composition.OPTIONS) == 25 and len(table) == 300
+    assert len(composition.OPTIONS) == 26 and len(table) == 325
+
+
+def test_every_pipeline_pair_is_accepted_or_refused_for_a_reason(table):
+    """The pipeline composes with every other option (the refusals left are the mixture of
+    experts' own, and those with a reason no implementation avoids)."""
+    left = {pair: msg for pair, msg in table.items()
+            if msg and composition.owner(*pair) == "pipeline"
+            and composition.reason(msg) is None}
+    assert not left, left
 
 
 def test_every_data_and_layout_refusal_has_a_reason_no_implementation_avoids(table):

@@ -222,6 +222,19 @@ def layer_input(name: str = SCALES):
     return None if here is None else here[0].get(name)
 
 
+@contextlib.contextmanager
+def this_layer(name: str, value):
+    """This layer's input `name` replaced by `value` while tracing inside the block (a region
+    that brings the layer's inputs in as its own arguments)."""
+    here = _LAYER_INPUT.get()
+    mine, cache = here if here is not None else ({}, {})
+    token = _LAYER_INPUT.set(({**mine, name: value}, cache))
+    try:
+        yield
+    finally:
+        _LAYER_INPUT.reset(token)
+
+
 def layer_cache() -> dict | None:
     """A dict living while one layer is traced (None outside the layer loop), for values its
     matmuls share: one fp8 cast of the input that q, k and v all read, so that their backward

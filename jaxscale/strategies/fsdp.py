@@ -74,7 +74,7 @@ def collectives(spec) -> list[Comm]:
     layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
     for leaf in leaves(spec.model):
-        size = leaf.local_size(spec, drop=("fsdp",)) * pb
+        size = leaf.run_size(spec, drop=("fsdp",)) * pb
         count_f += int(spec.layers_per_device if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):
             quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
@@ -100,10 +100,6 @@ def collectives(spec) -> list[Comm]:
         # for the backward serve the replay too)
         out.append(Comm("all-gather", axes, norms * k, 2 * spec.layers_per_device * k,
                         "RMSNorm scales again for the rematerialised forward", group=n,
-                        overlap=True))
-    if pipelined and spec.schedule == "zb-h1":
-        out.append(Comm("all-gather", axes, layer_b * k, count_b * k, "layer parameters again "
-                        "for the weight-gradient pass (W) of each micro-batch", group=n,
                         overlap=True))
     if head:
         out.append(Comm("all-gather", axes, head, 1, "LM head, backward (XLA may reuse the "

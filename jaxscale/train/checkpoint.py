@@ -201,9 +201,8 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
     # the true vocabulary, the model's layers
     kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size, layer_order)
     notes = check_compatible(meta, cfg, kept, str(Path(directory) / str(step)))
-    from jaxscale.strategies.pp.stages import reorder
-    state = reorder(ckpt.restore(step, kept, meta.get("checksums")), meta.get("layer_order"),
-                    None)
+    state = disk.layers_moved(ckpt.restore(step, kept, meta.get("checksums")),
+                              meta.get("layer_order"), None)
     state = disk.from_disk(state, abstract_state, layer_order)
     restored = int(jax.device_get(state.step)) if hasattr(state, "step") else step
     if restored != step:

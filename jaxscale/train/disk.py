@@ -72,25 +72,42 @@ def disk_abstract(abstract_state, vocab_size: int, layer_order: list[int] | None
 
 
 def _model_layers(abstract, layer_order):
-    """Abstract leaves with the stacked layers resized from the stored rows to the model's."""
+    """Abstract leaves with the stacked layers resized from the stored rows to the model's (as
+    `layers_moved` moves them)."""
     if layer_order is None:
         return abstract
-    from jaxscale.strategies.pp.stages import fit, is_layers
-    n = sum(1 for r in layer_order if r >= 0)
+    from jaxscale.strategies.pp.stages import fit
+    shapes = jax.eval_shape(lambda: layers_moved(
+        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), layer_order, None))
+    return jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=fit(a.sharding, s.shape)), shapes, abstract)
 
-    def one(path, a):
-        if not is_layers(path) or a.shape[:1] != (len(layer_order),):
-            return a
-        shape = (n,) + a.shape[1:]
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=fit(a.sharding, shape))
-    return jax.tree_util.tree_map_with_path(one, abstract)
+
+def layers_moved(state, saved, wanted):
+    """A train state (or a parameter tree) with its stacked layers moved from the stored order
+    `saved` to `wanted` (`strategies.pp.stages.reorder`): the parameters, master weights and
+    optimizer moments along their first axis, local SGD's replicas (`comm`: [dp, ...]) along
+    their second; a per-device state (compression's, [devices, ...]) is local shards, left as
+    it is."""
+    from jaxscale.strategies.pp.stages import reorder
+    if saved == wanted:
+        return state
+    if not hasattr(state, "params"):
+        return reorder(state, saved, wanted)
+    import dataclasses
+    changes = {f: reorder(getattr(state, f), saved, wanted)
+               for f in ("params", "master", "opt_state")}
+    comm = state.comm
+    if isinstance(comm, dict) and "params" in comm:
+        comm = {**comm, **{k: reorder(comm[k], saved, wanted, axis=1)
+                           for k in ("params", "opt_state") if k in comm}}
+    return dataclasses.replace(state, comm=comm, **changes)
 
 
 def to_disk(state, vocab_size: int, layer_order: list[int] | None = None):
     """`state` with its vocabulary trimmed to `vocab_size` and its layers in the model's order
     (what a checkpoint saves)."""
-    from jaxscale.strategies.pp.stages import reorder
-    state = reorder(state, layer_order, None)
+    state = layers_moved(state, layer_order, None)
     padded = padded_size(state)
     if padded is None or padded == vocab_size:
         return state
@@ -108,8 +125,7 @@ def to_disk(state, vocab_size: int, layer_order: list[int] | None = None):
 def from_disk(state, abstract_state, layer_order: list[int] | None = None):
     """A restored `state` (at the true vocabulary, the layers in the model's order) padded with
     zeros to `abstract_state`'s shapes, its layers in `layer_order`, laid out as it says."""
-    from jaxscale.strategies.pp.stages import reorder
-    state = reorder(state, None, layer_order)
+    state = layers_moved(state, None, layer_order)
     shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
     padded = padded_size(abstract_state)
     if padded is None or padded_size(state) == padded:

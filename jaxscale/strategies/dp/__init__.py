@@ -159,8 +159,8 @@ def collectives(spec) -> list[Comm]:
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
         inner = [a for a in replica if a not in once and not (a == "dp" and own_mean(spec))]
-        gathered = leaf.local_size(spec, drop=("fsdp",)) * pb * (k if leaf.stacked else reps)
-        shard = leaf.local_size(spec) * pb
+        gathered = leaf.run_size(spec, drop=("fsdp",)) * pb * (k if leaf.stacked else reps)
+        shard = leaf.run_size(spec) * pb
         if once:                     # the data region: the accumulated fp32 gradient, once
             stored = stored_spec(spec, leaf)
             size = leaf.local_size(spec, drop=tuple(once)) * 4     # rules never split dp
@@ -207,7 +207,8 @@ def collectives(spec) -> list[Comm]:
         if rest:
             add("all-reduce", rest, size, reps, "gradients over the replicas")
         if seq:
-            add("all-reduce", ["sp"], size if rest or "fsdp" in replica else shard * k,
+            add("all-reduce", ["sp"], size if rest or "fsdp" in replica else
+                shard * (k if leaf.stacked else reps),
                 reps, "matmul weight gradients over the sequence shards (XLA reduces sp on "
                 "its own, after the other data axes)")
     # XLA:CPU emits GSPMD's reduce-scatters as all-reduce + slice, but the data region's own

@@ -78,8 +78,6 @@ def problems(spec) -> list[str]:
     if spec.deg("dp") == 1:
         errs.append(f"plan.local_sgd={m} trains replicas over mesh.dp, but mesh.dp=1: give the "
                     f"devices to dp (e.g. mesh.dp=8), or set plan.local_sgd=none")
-    if spec.deg("pp") > 1:
-        errs.append(f"plan.local_sgd={m} with mesh.pp={spec.deg('pp')}: set mesh.pp=1")
     if spec.zero >= 1:
         errs.append(f"plan.local_sgd gives each dp rank its own replica and inner optimizer "
                     f"state; ZeRO-{spec.zero} would split one optimizer state over those ranks: "

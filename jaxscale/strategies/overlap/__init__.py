@@ -37,7 +37,7 @@ scheduler option (`xla_cpu_enable_concurrency_optimized_scheduler`).
 from __future__ import annotations
 
 from jaxscale.hooks import register
-from jaxscale.strategies.common import Comm
+from jaxscale.strategies.common import Comm, permutes
 from jaxscale.strategies.remat import actions, parse
 from jaxscale.strategies.tables.activations import stream_bytes
 from jaxscale.strategies.tp import ROW
@@ -114,10 +114,6 @@ def problems(spec) -> list[str]:
         errs.append(f"{opt} replaces the all-gather / reduce-scatter pairs of Megatron sequence "
                     f"parallelism: set plan.sequence_parallel=true (without it the row-parallel "
                     f"outputs are all-reduced, which no ring of sequence chunks replaces)")
-    if spec.deg("pp") > 1:
-        errs.append(f"{opt} runs its matmuls in a shard_map over the whole mesh, which the "
-                    f"pipeline's shard_map over pp cannot hold: set mesh.pp=1 or "
-                    f"plan.tp_overlap=none")
     if spec.moe:
         errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
                     f"not through the collective matmul: set model.moe_experts=0 or "
@@ -173,9 +169,9 @@ def collectives(spec) -> list[Comm]:
     found = rings(spec)
     n = sum(r * p for _, r, _, p in found) * hops
     size = sum(r * b for _, r, b, _ in found) * elements * hops
-    return [Comm("collective-permute", ("tp",), size, n,
-                 "collective matmul: t-1 hops of a bsh/t chunk per ring; per layer "
-                 + ", ".join(f"{r} {what}" for what, r, _, _ in found), group=t, overlap=True)]
+    return [permutes(spec, "tp", size, n, "collective matmul: t-1 hops of a bsh/t chunk per "
+                     "ring; per layer " + ", ".join(f"{r} {what}" for what, r, _, _ in found),
+                     overlap=True)]
 
 
 def memory(spec) -> list:

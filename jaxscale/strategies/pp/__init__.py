@@ -74,12 +74,13 @@ def runnable(spec) -> list[str]:
         return errs
     if not spec.model.scan_layers:
         errs.append("mesh.pp>1 splits the stacked layers: set model.scan_layers=true")
-    for what, bad in (("plan.remat=offload", spec.remat == "offload"),
-                      ("host offload (plan.offload)", spec.offload != "none")):
-        if bad:
-            errs.append(f"mesh.pp={p} with {what} is not supported yet: set mesh.pp=1, or drop "
-                        f"{what.split(' (')[0]}")
     return errs
+
+
+def boundary_bytes(spec) -> float:
+    """One stage-boundary activation (or its gradient) per device: the residual stream of a
+    micro-batch, split over tp too under Megatron sequence parallelism (its `norm_seq`)."""
+    return stream_bytes(spec) / (spec.deg("tp") if spec.sequence_parallel else 1)
 
 
 def rules(spec, rules) -> None:
@@ -96,7 +97,7 @@ def collectives(spec) -> list[Comm]:
     if p == 1:
         return []
     prog = program_for(spec)
-    act = stream_bytes(spec)
+    act = boundary_bytes(spec)
     outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
     rings = " and ".join(k for k, r in prog.rings.items() if r)
     return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
@@ -133,13 +134,28 @@ def memory(spec) -> list[Term]:
         return []
     slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
-    stream = stream_bytes(spec)
+    stream = boundary_bytes(spec)
     out = [Term("activations", la.saved * spec.stored_layers * extra,
                 f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
                 f"and of the one being stored"),
            Term("activations", stream * (slots["act"] + slots["grad"]),
                 "stage-boundary slots: activations and gradients received")]
+    if spec.schedule in ps.SPLIT:
+        out.append(Term("activations", tape_bytes(spec) * spec.stored_layers / v
+                        * (slots["tape"] + 1), f"tape slots: the matmul inputs and output "
+                        f"gradients B keeps for W ({slots['tape']}, and the one being stored)"))
     return out
+
+
+def tape_bytes(spec) -> float:
+    """One layer's tape for one micro-batch per device: each weight matmul's input (once per
+    group reading it) and output gradient, a mixture of experts' MLP not among them."""
+    m, t = spec.model, spec.deg("tp")
+    d, f, q, kv = m.dim, m.ffn_dim / t, m.n_heads * m.hd / t, m.n_kv_heads * m.hd / t
+    d_in = d / t if spec.sequence_parallel else d        # the residual stream, as it is split
+    attn = (d_in + q) + (q + 2 * kv + d_in)              # inputs of qkv, o; their outputs
+    mlp = 0.0 if spec.moe else (d_in + f) + (2 * f + d_in)
+    return spec.micro_batch * spec.local_seq * (attn + mlp) * spec.compute_itemsize
 
 
 def label(spec) -> list[str]:

@@ -85,17 +85,18 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
         x_shape = jax.eval_shape(lambda mb: embed(outer, mb), mb0)
         lengths = sorted({b[2] for b in prog.branches if b[0] != "idle"})
         rows = max(lengths)
-        if split:
-            ops.trace(block(0, rows), x_shape, mb0)
-        kept = {} if forward_only else {n: _residuals(ops, block(0, n), x_shape, mb0,
-                                                      scales_of(0, n)) for n in lengths}
+        with divergent(on_cpu):         # traced as the branches trace them
+            if split:
+                ops.trace(block(0, rows), x_shape, mb0)
+            kept = {} if forward_only else {n: _residuals(ops, block(0, n), x_shape, mb0,
+                                                          scales_of(0, n)) for n in lengths}
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
         along = current(mesh, placement.rules)[1].spec(("batch", "norm_seq", "embed"))
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
-               "res": [] if forward_only else [zeros(prog.slots["res"], s)
-                                               for s in kept[rows][2]],
+               "res": [] if forward_only else [_slots(prog.slots["res"], s, host)
+                                               for s, host in zip(*kept[rows][2:])],
                "tape": jax.tree.map(lambda s: zeros(prog.slots["tape"], s),
                                     jax.eval_shape(lambda: ops.zero_taps(rows)))
                if split and not forward_only else None}
@@ -222,7 +223,8 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
         return grads, loss, tokens, stats
 
     def manual_body(*args):
-        with manual(("pp",)):      # the stage's layout: the rules less pp, on this region's mesh
+        # the stage's layout: the rules less pp, on this region's mesh; each stage its own layers
+        with manual(("pp",), pieces=False):
             return body(*args)
 
     def run(params, batch, scale, probe_in=None):
@@ -255,6 +257,12 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
 
 
 # ----------------------------------------------------------------------------- residual slots
+def _slots(n, shape, host: bool):
+    """n slots for a residual, in host memory for one the remat policy offloads."""
+    z = jnp.zeros((n, *shape.shape), shape.dtype)
+    return jax.device_put(z, jax.memory.Space.Host) if host else z
+
+
 def _residuals(ops, lay, x_shape, mb, scales):
     """(residual tree structure, for each residual the weight leaf it is or None, the shapes of
     the ones kept in slots) of a stage of these layers."""
@@ -266,23 +274,25 @@ def _residuals(ops, lay, x_shape, mb, scales):
         weights = jax.tree.leaves(lay)
         where = tuple(next((i for i, w in enumerate(weights) if w is leaf), None)
                       for leaf in leaves)
-        probe.update(tree=tree, where=where)
-        return [leaf for leaf, w in zip(leaves, where) if w is None]
+        kept = [leaf for leaf, w in zip(leaves, where) if w is None]
+        probe.update(tree=tree, where=where,
+                     host=[jax.typeof(k).memory_space == jax.memory.Space.Host for k in kept])
+        return kept
     shapes = jax.eval_shape(f, lay, x_shape, mb, scales)
-    return probe["tree"], probe["where"], shapes
+    return probe["tree"], probe["where"], shapes, probe["host"]
 
 
 def _store(kept, vjp, lay, slots):
     """The forward's residuals, the stage's own weights left out, into slot-sized values (a
     shorter stage fills the first rows of a longer stage's slots)."""
-    _, where, _ = kept
+    _, where, _, _ = kept
     leaves = [leaf for leaf, w in zip(jax.tree.leaves(vjp), where) if w is None]
     return [v if v.shape == s.shape else s.at[:v.shape[0]].set(v) for v, s in zip(leaves, slots)]
 
 
 def _rebuild(kept, lay, res, slots):
     """The forward's vjp from the residual slots and the stage's weights."""
-    tree, where, shapes = kept
+    tree, where, shapes, _ = kept
     kept_iter = iter(r if r.shape == s.shape else r[:s.shape[0]] for r, s in zip(res, shapes))
     weights = jax.tree.leaves(lay)
     leaves = [weights[w] if w is not None else next(kept_iter) for w in where]

@@ -206,13 +206,12 @@ def local_rows(spec, stage: int) -> tuple[int, int]:
     return chunk * max(c), c[stage]
 
 
-def reorder(tree, saved: list[int] | None, wanted: list[int] | None):
-    """`tree` (params, a train state: any tree whose stacked layers sit under a "layers" key)
-    with its layers moved from the stored order `saved` to `wanted` (`layer_order`s; None: the
-    model's order without padding): rows of `wanted` that are padding (-1) come out zero.
-    Traceable; eagerly, each array keeps its sharding (resized along the layers when the
-    padding differs). Leaves under "layers" whose first dimension is not the saved row count
-    (a per-device state's) pass through."""
+def reorder(tree, saved: list[int] | None, wanted: list[int] | None, axis: int = 0):
+    """`tree` (parameters, optimizer moments: any tree whose stacked layers sit under a "layers"
+    key, along `axis`) with its layers moved from the stored order `saved` to `wanted`
+    (`layer_order`s; None: the model's order without padding): rows of `wanted` that are padding
+    (-1) come out zero. Traceable; eagerly, each array keeps its sharding (resized along the
+    layers when the padding differs)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -226,15 +225,19 @@ def reorder(tree, saved: list[int] | None, wanted: list[int] | None):
     keep = np.array([layer >= 0 for layer in wanted])
 
     def move(a):
-        if a.shape[:1] != (len(saved),):
-            return a
+        if a.ndim <= axis or a.shape[axis] != len(saved):
+            raise ValueError(f"a stacked-layer array of shape {a.shape} has no {len(saved)} "
+                             f"stored rows along axis {axis}")
 
         def f(a):
-            out = a[take]
-            mask = jnp.asarray(keep).reshape((-1,) + (1,) * (a.ndim - 1))
-            return out if keep.all() else jnp.where(mask, out, jnp.zeros_like(out))
+            out = jnp.take(a, take, axis=axis)
+            if keep.all():
+                return out
+            mask = jnp.asarray(keep).reshape((-1,) + (1,) * (a.ndim - 1 - axis))
+            return jnp.where(mask, out, jnp.zeros_like(out))
+        shape = a.shape[:axis] + (len(wanted),) + a.shape[axis + 1:]
         if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-            return jax.jit(f, out_shardings=fit(a.sharding, (len(wanted),) + a.shape[1:]))(a)
+            return jax.jit(f, out_shardings=fit(a.sharding, shape))(a)
         return f(a)
     return jax.tree_util.tree_map_with_path(
         lambda path, a: move(a) if is_layers(path) else a, tree)

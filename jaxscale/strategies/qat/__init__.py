@@ -81,10 +81,6 @@ def problems(spec) -> list[str]:
     if spec.fp8_amax_history < 0:
         errs.append(f"plan.fp8_amax_history={spec.fp8_amax_history} must be >= 0 (0: current "
                     f"scaling)")
-    if spec.deg("pp") > 1:
-        errs.append(f"{q} does not run with pipeline stages (mesh.pp={spec.deg('pp')}): the "
-                    f"pipeline engine runs the layers inside shard_map, where the plan's "
-                    f"projection is off; set mesh.pp=1 or plan.qat=none")
     if spec.moe:
         errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
                     f"{spec.model.moe_experts} do not go through the projection hook: use a "
@@ -165,7 +161,7 @@ def ring_gathers(spec, leaf) -> tuple[float, float] | None:
     if (not active(spec) or spec.tp_overlap == "none"
             or leaf.path.split("/")[-1] not in QUANTISED_SITES):
         return None
-    elements = leaf.local_size(spec, drop=("fsdp",))
+    elements = leaf.run_size(spec, drop=("fsdp",))
     if spec.qat == "fp8":
         return elements, elements
     scales = 4 * _channels(spec, leaf, ("fsdp",)) if _split_by(spec, leaf, False, "fsdp") else 0

@@ -148,11 +148,12 @@ int8_matmul.defvjp(_int8_fwd, _int8_bwd)
 
 
 # ----------------------------------------------------------------------------- fp8
-def _amax(t):
+def _amax(t, over=None):
     """The per-tensor amax: over the whole tensor, also where it is traced in pieces, manual
-    over mesh axes (a data region's rows, a tensor-parallel group's weight shards)."""
+    over mesh axes (a data region's rows, a tensor-parallel group's weight shards; `over`:
+    those of the forward, for a backward traced after its region's context is gone)."""
     amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
-    over = manual_axes()
+    over = manual_axes() if over is None else over
     return jax.lax.pmax(amax, over) if over else amax
 
 
@@ -183,15 +184,15 @@ def fp8_matmul(eq: str, x, w, scales=None, record_x: bool = True, x_q=None):
     quantised (`quantize_input`) by a site reading the same input."""
     scales = jnp.zeros((3,), jnp.float32) if scales is None else scales
     x8, sx, ax = quantize_input(x, scales[0]) if x_q is None else x_q
-    return _fp8(eq, record_x, x, x8, sx, ax, w, scales)
+    return _fp8(eq, record_x, manual_axes(), x, x8, sx, ax, w, scales)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8(eq, record_x, x, x8, sx, ax, w, scales):
-    return _fp8_fwd(eq, record_x, x, x8, sx, ax, w, scales)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8(eq, record_x, over, x, x8, sx, ax, w, scales):
+    return _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, scales)[0]
 
 
-def _fp8_fwd(eq, record_x, x, x8, sx, ax, w, scales):
+def _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, scales):
     aw = _amax(w)
     sw = _scale(scales[1], aw, FP8_MAX["w"])
     y = _dot(eq, x8, _cast(w, sw, E4M3), jnp.float32) * (sx * sw)
@@ -200,9 +201,9 @@ def _fp8_fwd(eq, record_x, x, x8, sx, ax, w, scales):
                                jnp.zeros((0,), x.dtype))
 
 
-def _fp8_bwd(eq, record_x, res, g):
+def _fp8_bwd(eq, record_x, over, res, g):
     x8, w, sx, sw, given_g, ax, aw, x_dtype = res
-    ag = _amax(g)
+    ag = _amax(g, over)       # the backward is traced outside the forward's manual regions
     sg = _scale(given_g, ag, FP8_MAX["g"])
     g8 = _cast(g, sg, E5M2)
     dx_eq, dw_eq = _swap(eq)

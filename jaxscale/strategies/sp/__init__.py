@@ -28,7 +28,7 @@ The weight gradients are reduced over sp as over a data axis (`strategies/dp`).
 from __future__ import annotations
 
 from jaxscale.hooks import register
-from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.common import Comm, Term, permutes
 from jaxscale.strategies.remat import actions
 
 NAME = "sp"
@@ -126,10 +126,9 @@ def collectives(spec) -> list[Comm]:
     again = " (and the forward's again for the rematerialised attention)" if replay else ""
     if spec.context == "ring":     # K/V forward and again backward; the dK/dV travel in fp32
         hops = (sp - 1) * L * k
-        return [Comm("collective-permute", ("sp",), kv * (2 + replay) * hops
-                     + kv / beta * 4 * hops, int((3 + replay) * hops),
-                     "ring attention: K/V blocks forward, K/V and fp32 dK/dV backward" + again,
-                     group=sp)]
+        return [permutes(spec, "sp", kv * (2 + replay) * hops + kv / beta * 4 * hops,
+                         int((3 + replay) * hops), "ring attention: K/V blocks forward, K/V and "
+                         "fp32 dK/dV backward" + again)]
     if spec.context == "allgather":
         return [Comm("all-gather", ("sp",), kv * sp * L * k * (1 + replay),
                      int(L * k * (1 + replay)), "K/V gathered over the sequence, forward" + again,

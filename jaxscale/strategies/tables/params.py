@@ -46,6 +46,15 @@ class Leaf:
         the mesh axes its logical axis maps to (`drop`: mesh axes treated as gathered)."""
         return float(math.prod(self.local_shape(spec, drop)))
 
+    def run_size(self, spec, drop: tuple[str, ...] = ()) -> float:
+        """`local_size` of the layers a device runs, averaged over the pipeline's devices (a
+        stacked leaf's stored rows include uneven stages' padding, which no layer reads): what a
+        collective of every layer run moves."""
+        size = self.local_size(spec, drop)
+        if self.stacked and spec.deg("pp") > 1:
+            return size / spec.stored_layers * spec.layers_per_device
+        return size
+
     def local_shape(self, spec, drop: tuple[str, ...] = ()) -> tuple[int, ...]:
         """The device's shard of this leaf under `spec`'s rules (`drop`: mesh axes treated as
         gathered); a mesh axis already used by an earlier dimension does not split again."""

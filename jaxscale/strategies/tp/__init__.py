@@ -100,6 +100,10 @@ def collectives(spec) -> list[Comm]:
                       "final norm output into the LM head, forward and backward", group=t),
                  Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                       "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
+        if spec.deg("pp") > 1:       # the first stage's backward: the stage input's gradient
+            rows.append(Comm("all-gather", ("tp",), act * ko, ko,  # arrives split as it left
+                             "the embedding output's gradient, gathered along the sequence "
+                             "on the first pipeline stage", group=t))
     else:
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,
                      int(fwd + bwd + moe_count),

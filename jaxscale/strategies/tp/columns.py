@@ -20,7 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.axes import active, entry_axes, manual, on_shards
-from jaxscale.hooks.projection import project
+from jaxscale.hooks.projection import SCALES, layer_input, project, this_layer
 
 AXIS = "tp"
 
@@ -60,8 +60,13 @@ def columns(eq, x, ws, sites, names, mesh, rules):
         x = jax.numpy.broadcast_to(x[None], (n,) + x.shape)
         x_spec = P(AXIS, *x_spec)
 
-    def body(x_local, *w_local):
-        with manual(axes):
+    # the layer's per-layer inputs (fp8 QAT's scales) come in as arguments, replicated: every
+    # device of the group computes the same statistics for them (a whole-tensor amax), which
+    # the region's transpose would sum over the group, so their cotangent is averaged inside
+    scales = layer_input(SCALES)
+
+    def body(x_local, sc, *w_local):
+        with manual(axes), this_layer(SCALES, None if sc is None else _averaged(sc, axes)):
             if not seq:
                 x_local = x_local[0]
             if seq:          # the sequence gathered over tp on each device's own shard
@@ -72,5 +77,21 @@ def columns(eq, x, ws, sites, names, mesh, rules):
 
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec,) + w_specs, out_specs=o_specs,
-                         axis_names=set(axes), check_vma=False)(x, *ws)
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()) + w_specs, out_specs=o_specs,
+                         axis_names=set(axes), check_vma=False)(x, scales, *ws)
+
+
+def _averaged(value, axes):
+    """`value` whose cotangent is divided by the devices of `axes`: a replicated input of a
+    region, whose per-device cotangents are equal and are summed when they leave it."""
+    import math
+
+    @jax.custom_vjp
+    def same(v):
+        return v
+
+    def bwd(_, g):
+        n = math.prod(jax.lax.axis_size(a) for a in axes)
+        return (jax.tree.map(lambda t: t / n, g),)
+    same.defvjp(lambda v: (v, None), bwd)
+    return same(value)
