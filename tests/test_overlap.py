@@ -164,8 +164,6 @@ def test_bidirectional_with_remat_replays_the_o_ring_as_the_formula_says():
 @pytest.mark.parametrize("overrides, msg", [
     (("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", CM), "mesh.tp=1: set mesh.tp > 1"),
     (("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", CM), "set plan.sequence_parallel=true"),
-    (("mesh.dp=1", "mesh.fsdp=1", "mesh.pp=2", "mesh.tp=4", "plan.sequence_parallel=true", CM),
-     "set mesh.pp=1"),
 ])
 def test_bad_plans_are_refused_by_name(overrides, msg):
     errs = plan.Spec.from_config(tiny_config(*overrides, "model.n_kv_heads=4"), 8).problems()
