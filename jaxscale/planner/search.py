@@ -3,9 +3,10 @@
 Candidates: every assignment of the device count to (dp, pp, fsdp, sp, tp) degrees (ep with a
 mixture of experts) whose product is the device count, with tp and sp inside one node, crossed with
 ZeRO stage (when dp > 1), remat policy (none, save_dots, full), accumulation or pipeline micro-
-batches, the pipeline schedule, and when the data axes reduce the gradients (`plan.grad_sync`,
-where the modes differ: `sync_modes`). Node boundaries follow the mesh's outer-to-inner order: the
-outermost axes take the cross-node (DCN) part, as `MeshConfig.dcn_*` would. Precision and offload
+batches, the pipeline schedule (1F1B, interleaved, ZB-H1, ZB-V), and when the data axes reduce
+the gradients (`plan.grad_sync`, where the modes differ: `sync_modes`). Node boundaries follow
+the mesh's outer-to-inner order: the outermost axes take the cross-node (DCN) part, as
+`MeshConfig.dcn_*` would. Precision and offload
 stay as configured (they change numerics or need host memory the user must grant);
 `does_not_fit_message` does consider them as fixes.
 
@@ -84,7 +85,7 @@ def candidates(base: Spec) -> list[Spec]:
         if deg["pp"] > 1:
             micro = sorted({m for m in (deg["pp"], 2 * deg["pp"], 4 * deg["pp"])
                             if local and local % m == 0}) or [deg["pp"]]
-            schedules = ("1f1b", "interleaved")
+            schedules = ("1f1b", "interleaved", "zb-h1", "zb-v")
         else:
             micro = [k for k in (1, 2, 4) if local and local % k == 0] or [1]
             schedules = ("1f1b",)

@@ -140,6 +140,13 @@ def memory(spec) -> list[Term]:
                 f"and of the one being stored"),
            Term("activations", stream * (slots["act"] + slots["grad"]),
                 "stage-boundary slots: activations and gradients received")]
+    if la.host:      # the remat policy's offloaded residuals wait in host-memory slots
+        held = la.host * spec.stored_layers * (slots["res"] + 1) / v
+        out.append(Term("activations", held, "offloaded residuals' slots in host memory (XLA:CPU's "
+                        "memory analysis counts them as temporaries)")
+                   if spec.device_kind == "cpu" else
+                   Term("host", held - la.host * spec.stored_layers,
+                        "offloaded residuals of the micro-batches in flight", part="activations"))
     if spec.schedule in ps.SPLIT:
         out.append(Term("activations", tape_bytes(spec) * spec.stored_layers / v
                         * (slots["tape"] + 1), f"tape slots: the matmul inputs and output "

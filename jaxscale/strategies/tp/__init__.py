@@ -100,8 +100,10 @@ def collectives(spec) -> list[Comm]:
                       "final norm output into the LM head, forward and backward", group=t),
                  Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                       "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
-        if spec.deg("pp") > 1:       # the first stage's backward: the stage input's gradient
-            rows.append(Comm("all-gather", ("tp",), act * ko, ko,  # arrives split as it left
+        if spec.deg("pp") > 1 and spec.tp_overlap == "none":
+            # the first stage's input gradient arrives split along the sequence, as its input
+            # left the embedding; the embedding's backward gathers it (the rings read it split)
+            rows.append(Comm("all-gather", ("tp",), act * ko, ko,
                              "the embedding output's gradient, gathered along the sequence "
                              "on the first pipeline stage", group=t))
     else:
