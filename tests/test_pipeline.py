@@ -141,6 +141,23 @@ def test_flops_are_the_model_flops(reports):
             rep["flops"]["dot_flops"], rel=0.01)
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_zero_bubble_costs_the_flops_of_1f1b(name, reports):
+    """The zero-bubble W computes only the weight gradients, from the matmul inputs and output
+    gradients B kept on its tape: the compiled matmul FLOPs within 2% of 1F1B's (same plan,
+    m = 4), the planner's temporaries (the tape slots) within 10%, every census row its formula."""
+    cfg_1f1b, one = reports["1f1b", 4]
+    cfg = tiny_config("model.n_layers=4", "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1",
+                      f"plan.schedule={name}", "plan.accumulate=4", "data.batch_size=16",
+                      "data.seq_len=64")
+    rep = inspect.report(cfg)
+    assert rep["flops"]["dot_flops"] == pytest.approx(one["flops"]["dot_flops"], rel=0.02)
+    assert planner.predict(cfg).memory.xla["temp"] == pytest.approx(rep["memory"]["temp"],
+                                                                    rel=0.10)
+    for r in rep["theory"]:
+        assert r["theory_bytes"] == pytest.approx(r["census_bytes"], rel=0.02), (name, r)
+
+
 # ----------------------------------------------------------------------------- composition
 def test_checkpoint_from_interleaved_pp2_restores_at_pp1(tmp_path):
     from jaxscale.train import checkpoint as ckpt_lib
