@@ -1,5 +1,5 @@
 """Everything GPU-side in one call, for a session that is lent a GPU (under 9.5 minutes on an
-H200: the stages' limits add up to 570 s).
+H200: the stages' limits add up to 560 s).
 
     python -m benchmarks.gpu_check                       # on the GPU machine (no install needed:
                                                          # PYTHONPATH=. works as well)
@@ -19,7 +19,10 @@ the next one runs):
    stage sweep, written to `tune/flash_tuning.json` (copy it over
    `jaxscale/kernels/flash_tuning.json` to keep it);
 5. `attention`: `experiments/gpu_flash_bench.py` at head_dim 128, seq 8k (Pallas vs cuDNN), with
-   the table stage 4 wrote (`JAXSCALE_FLASH_TUNING`).
+   the table stage 4 wrote (`JAXSCALE_FLASH_TUNING`);
+6. `pipeline`: `benchmarks.pipeline_bench`: a stage's T_F, T_B, T_W measured on the device and
+   every schedule's bubble in wall time from them (with several devices, the engine timed per
+   schedule beside the unpipelined step).
 Writes `summary.md` and `summary.json` (date, device, versions, every stage's result) to --out.
 """
 from __future__ import annotations
@@ -60,14 +63,17 @@ def stages(args) -> list[tuple[str, list[str], float]]:
             "--time-budget", "40" if args.tiny else "120"]
     tune = [py, str(ROOT / "experiments" / "gpu_flash_bench.py"), "--tune", "--head-dims", "128",
             "--out", str(out / "tune")]
+    pipe = [py, "-m", "benchmarks.pipeline_bench", "--out", str(out / "pipeline")]
     if args.allow_cpu:
         attn.append("--allow-cpu")
         tune += ["--allow-cpu", "--tiny"]
-    return [("inspect", inspect, 100.0),
-            ("offload", inspect[:-1] + ["--set", "plan.offload=optimizer+master", "--json"], 100.0),
-            ("step", step, 150.0),
-            ("tune", tune, 120.0),
-            ("attention", attn, 100.0)]
+        pipe += ["--allow-cpu", "--tiny"]
+    return [("inspect", inspect, 90.0),
+            ("offload", inspect[:-1] + ["--set", "plan.offload=optimizer+master", "--json"], 90.0),
+            ("step", step, 120.0),
+            ("tune", tune, 90.0),
+            ("attention", attn, 90.0),
+            ("pipeline", pipe, 80.0)]
 
 
 def run_stage(name: str, cmd: list[str], limit: float, log: Path, **env_extra: str) -> dict:
@@ -130,7 +136,7 @@ def summarise(results: dict) -> list[str]:
                          f"= {o['fraction']:.0%} of the offloaded bytes (goal >= 80%): "
                          + ("PASS" if o["pass"] else "FAIL" if o["host_mib"] else
                             "n/a (no host memory reported: XLA:CPU keeps one memory)"))
-    for name in ("step", "tune", "attention"):
+    for name in ("step", "tune", "attention", "pipeline"):
         r = results.get(name)
         if r:
             tail = [ln for ln in r["stdout"].strip().splitlines() if ln.strip()][-8:]
@@ -144,7 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/gpu_check")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (with --allow-cpu)")
-    ap.add_argument("--only", help="comma list of stages: inspect,offload,step,tune,attention")
+    ap.add_argument("--only", help="comma list of stages: inspect,offload,step,tune,attention,"
+                                   "pipeline")
     args = ap.parse_args(argv)
     import shutil
 

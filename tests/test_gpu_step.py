@@ -78,3 +78,22 @@ def test_gpu_check_runs_its_stages_on_cpu(tmp_path):
     assert "the model formula" in summary and "device total" in summary
     assert "- tune (rc 0" in summary and "table written to" in summary
     assert (tmp_path / "inspect.log").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_pipeline_bench_measures_op_costs_and_simulates_every_schedule(tmp_path):
+    """The GPU job's pipeline stage on one CPU device: measured T_F, T_B, T_W, and each
+    schedule's makespan from them (ZB-V's idle time below 1F1B's whenever W takes time)."""
+    import json
+
+    from jaxscale.benchmarks import pipeline_bench
+    assert pipeline_bench.main(["--allow-cpu", "--tiny", "--devices", "1", "--p", "2", "--m",
+                                "4", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "pipeline.json").read_text())
+    c = out["costs"]
+    assert out["p"] == 2 and c["layers"] == 4 and min(c["t_f"], c["t_b"], c["t_w"]) > 0
+    rows = {r["schedule"]: r for r in out["simulated"]}
+    assert set(rows) == set(pipeline_bench.SCHEDULES)
+    for r in rows.values():
+        assert r["makespan_s"] >= r["ideal_s"] * (1 - 1e-9)
+        assert r["bubble"] == pytest.approx(1 - r["ideal_s"] / r["makespan_s"])
+    assert rows["zb-v"]["makespan_s"] < rows["1f1b"]["makespan_s"]
