@@ -4,8 +4,7 @@ context parallelism (ring, Ulysses), Megatron sequence parallelism, collective m
 the remat policy's activations, and ZB-V. Each family against one device over 3 real AdamW
 updates (`tests/numerics.py`, fp32 1e-5 of each leaf's largest gradient unless the method says
 otherwise), its census equal to the plan's formula row by row, its matmul FLOPs to the
-planner's, and its compiled temporaries within 10% of the planner's where the planner models
-them (not for context parallelism inside stages: see docs/pipeline.md)."""
+planner's, and its compiled temporaries within 10% of the planner's (the ring's 20%)."""
 import jax
 import pytest
 
@@ -14,27 +13,31 @@ from jaxscale.analysis import hlo, hlo_flops, inspect
 from tests import numerics
 
 COMMON = ("model.n_layers=4", "plan.accumulate=2", "data.batch_size=8", "mesh.dp=1")
+#: the ring's hops unrolled on XLA:CPU: the planner counts each hop's score tiles and the layer's
+#: saved scores (measured 1.15 of the compiled temporaries; the tolerance of
+#: `analysis.validation`)
+RING = 0.20
 
 FAMILIES = {   # name -> (model and plan overrides both runs share, the mesh of the pipeline,
-               #          the tolerance, whether the planner's memory is checked)
+               #          the tolerance, the planner's temporaries' tolerance)
     "pp2 x sp2 x tp2 ring": ((), ("mesh.pp=2", "mesh.sp=2", "mesh.tp=2", "mesh.fsdp=1",
-                                  "plan.context=ring"), numerics.FP32, False),
+                                  "plan.context=ring"), numerics.FP32, RING),
     "pp2 x sp2 x tp2 Ulysses": ((), ("mesh.pp=2", "mesh.sp=2", "mesh.tp=2", "mesh.fsdp=1",
-                                     "plan.context=ulysses"), numerics.FP32, False),
+                                     "plan.context=ulysses"), numerics.FP32, 0.10),
     "pp2 x fsdp2 x tp2 Megatron SP": ((), ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
-                                           "plan.sequence_parallel=true"), numerics.FP32, True),
+                                           "plan.sequence_parallel=true"), numerics.FP32, 0.10),
     "pp2 x tp4 collective matmul": (("model.n_kv_heads=4",), (
         "mesh.pp=2", "mesh.tp=4", "mesh.fsdp=1", "plan.sequence_parallel=true",
-        "plan.tp_overlap=collective_matmul"), numerics.FP32, True),
+        "plan.tp_overlap=collective_matmul"), numerics.FP32, 0.10),
     "pp2 x fsdp4 fp8 QAT": (("plan.qat=fp8",), ("mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1"),
-                            numerics.QAT_FP8, True),
+                            numerics.QAT_FP8, 0.10),
     "pp2 x fsdp4 fp8 QAT ZB-H1": (("plan.qat=fp8",), ("mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1",
                                                       "plan.schedule=zb-h1"),
-                                  numerics.QAT_FP8, True),
+                                  numerics.QAT_FP8, 0.10),
     "pp2 x dp2 x tp2 offload": (("plan.offload=optimizer", "plan.remat=offload"), (
-        "mesh.pp=2", "mesh.dp=2", "mesh.tp=2", "mesh.fsdp=1"), numerics.FP32, True),
+        "mesh.pp=2", "mesh.dp=2", "mesh.tp=2", "mesh.fsdp=1"), numerics.FP32, 0.10),
     "pp2 x fsdp2 x tp2 ZB-V": (("plan.accumulate=4", "data.batch_size=16"), (
-        "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=zb-v"), numerics.FP32, True),
+        "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=zb-v"), numerics.FP32, 0.10),
 }
 #: census rows the formula does not model, and why: under fp8 QAT GSPMD gathers fsdp's weights
 #: as it chooses (in e4m3 for some, whole for others), with or without the pipeline
@@ -66,9 +69,8 @@ def test_family_matches_one_device_and_its_formulas(family):
     pred = planner.predict(cfg)
     flops = hlo_flops.dot_flops(hlo.Module(got.text, plan.branch_share(spec)))
     assert pred.flops.per_device == pytest.approx(flops, rel=0.01), family
-    if memory:                      # the train step as `train` compiles it (no gradients out)
-        temp = inspect.report(cfg)["memory"]["temp"]
-        assert pred.memory.xla["temp"] == pytest.approx(temp, rel=0.10), family
+    temp = inspect.report(cfg)["memory"]["temp"]   # the train step as `train` compiles it
+    assert pred.memory.xla["temp"] == pytest.approx(temp, rel=memory), family
     if "offload" in family:         # the moments in host memory between steps
         host = [x for x in jax.tree.leaves(got.setup.abstract_state().opt_state) if x.ndim]
         assert host and all(x.sharding.memory_kind == "pinned_host" for x in host)

@@ -103,7 +103,7 @@ def activations(spec, policy: str | None = None) -> tables.LayerActivations:
     (default: the plan's), from the block's table (`tables.activations`)."""
     policy = spec.remat if policy is None else policy
     return tables.layer_activations(
-        spec.model, spec.seq, spec.micro_batch * spec.local_seq, spec.compute_itemsize,
+        spec.model, spec.seq, spec.micro_batch * spec.seq, spec.compute_itemsize,
         tables.split(spec), None if parse(policy) == "none" else actions(policy),
         spec.attention, tables.experts(spec))
 
