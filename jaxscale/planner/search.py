@@ -93,6 +93,8 @@ def candidates(base: Spec) -> list[Spec]:
             for remat in REMATS:
                 for k in micro:
                     for sched in schedules:
+                        if sched == "zb-v" and k < 2 * deg["pp"]:
+                            continue               # its V needs two micro-batches per device
                         for sync in sync_modes(deg, z, k):
                             out.append(replace(
                                 base, degrees=deg, dcn=dcn, zero=z, remat=remat, accumulate=k,

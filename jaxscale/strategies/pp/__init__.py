@@ -3,16 +3,21 @@
 Rules: `layers -> pp`. The batch is split into m micro-batches (`plan.accumulate`), run through
 the stages by a schedule (`plan.schedule`, `jaxscale.strategies.pp.schedules`): naive (one
 micro-batch at a time), GPipe (all forwards, then all backwards), 1F1B, interleaved 1F1B with v
-virtual stages per device (`plan.virtual_stages`), ZB-H1 (the backward split into input- and
-weight-gradient work, arXiv 2401.10241); the tick table it runs as is `program.py`, the engine that
-runs it `engine.py`.
+virtual stages per device (`plan.virtual_stages`), ZB-H1 and ZB-V (the backward split into input-
+and weight-gradient work, arXiv 2401.10241; ZB-V with two stages per device placed in a V). The
+stages may differ in length (`plan.stage_layers`, `stages.py`); the tick table a schedule runs
+as is `program.py`, the engine that runs it `engine.py`, a stage's ops `stage.py`. Inside a
+stage every other strategy runs as in the unpipelined step (dp, fsdp, tp, context parallelism,
+experts over ep, QAT, collective matmul, offload, remat).
 Saves: weights, gradients and optimizer state split p ways. Costs: the bubble, idle time
 relative to the ideal compute, (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved, a
-third of 1F1B's for ZB-H1 (T_F = T_B = T_W; in this engine W repeats the in-stage backward
-chain, counted in the FLOPs); activations of several micro-batches in flight on a device (the
-engine's residual slots: m for GPipe, p for 1F1B). Collectives: per tick of the engine one
-activation forward and one gradient backward, point to point (collective-permute over `pp`);
-one fp32 all-reduce over `pp` of the embedding, final norm and head gradients.
+third of 1F1B's for ZB-H1 and a sixth for ZB-V (T_F = T_B = T_W; W computes only the weight
+gradients, from a tape of matmul inputs and output gradients B keeps: 1F1B's FLOPs);
+activations of several micro-batches in flight on a device (the engine's residual slots: m for
+GPipe, p for 1F1B), and the split schedules' tapes. Collectives: per tick of the engine one
+activation forward and one gradient backward, point to point (collective-permute over `pp`; one
+ring carries both at p = 2); one fp32 all-reduce over `pp` of the embedding, final norm and head
+gradients.
 """
 from __future__ import annotations
 
