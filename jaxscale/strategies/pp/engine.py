@@ -95,7 +95,8 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
-               "res": [] if forward_only else [_slots(prog.slots["res"], s, host)
+               "res": [] if forward_only else [_slots(prog.slots["res"], s, host,
+                                                      x_shape.shape[:2], along[0])
                                                for s, host in zip(*kept[rows][2:])],
                "tape": jax.tree.map(lambda s: zeros(prog.slots["tape"], s),
                                     jax.eval_shape(lambda: ops.zero_taps(rows)))
@@ -257,9 +258,18 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
 
 
 # ----------------------------------------------------------------------------- residual slots
-def _slots(n, shape, host: bool):
-    """n slots for a residual, in host memory for one the remat policy offloads."""
+def _slots(n, shape, host: bool, rows_seq: tuple[int, int], over):
+    """n slots for a residual, in host memory for one the remat policy offloads. A residual of
+    the micro-batch's tokens (a [batch, seq] pair among its dimensions) is split over the batch's
+    axes as the stage computes it: left to GSPMD, the slots can take the weights' layout (the
+    model dimension over fsdp) and every write and read would reshard them with all-to-alls."""
     z = jnp.zeros((n, *shape.shape), shape.dtype)
+    dims = shape.shape
+    at = next((i for i in range(len(dims) - 1) if tuple(dims[i:i + 2]) == tuple(rows_seq)), None)
+    if over is not None and at is not None:
+        spec = [P.UNCONSTRAINED] * (len(dims) + 1)
+        spec[0], spec[at + 1] = None, over
+        z = jax.lax.with_sharding_constraint(z, P(*spec))
     return jax.device_put(z, jax.memory.Space.Host) if host else z
 
 
