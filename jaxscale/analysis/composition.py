@@ -162,7 +162,7 @@ def markdown(results: dict[tuple[str, str], str]) -> str:
     unexplained = [(a, b, m) for (a, b), m in results.items()
                    if m and reason(m) is None and (a, b) not in PENDING]
     if unexplained:
-        lines += ["", "Refused, to be built (the pipeline and mixture-of-experts plans):", ""]
+        lines += ["", "Refused, to be built (the mixture-of-experts plans):", ""]
         for a, b, m in unexplained:
             first = m.splitlines()[1].strip("- ") if "\n" in m else m
             lines.append(f"- {a} + {b}: {first}")

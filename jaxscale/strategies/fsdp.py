@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import dp, pp, qat, zero
+from jaxscale.strategies import dp, qat, zero
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.tables.params import leaves
+from jaxscale.strategies.tables.params import leaves, outer_runs
 
 NAME = "fsdp"
 AVAILABLE = True
@@ -70,7 +70,7 @@ def collectives(spec) -> list[Comm]:
     pipelined = spec.deg("pp") > 1
 
     def runs(leaf):
-        return pp.outer_runs(spec, leaf) if pipelined else 1
+        return outer_runs(spec, leaf) if pipelined else 1
     layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
     for leaf in leaves(spec.model):

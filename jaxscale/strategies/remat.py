@@ -102,10 +102,13 @@ def activations(spec, policy: str | None = None) -> tables.LayerActivations:
     """One layer's activations per device for one micro-batch of `spec` under a remat policy
     (default: the plan's), from the block's table (`tables.activations`)."""
     policy = spec.remat if policy is None else policy
+    # ring and all-gather context attention run blockwise over the sequence shards: they save
+    # the output and its log-sum-exp, not the scores (their hop tiles are `sp.memory`'s)
+    blockwise = spec.deg("sp") > 1 and spec.context != "ulysses"
     return tables.layer_activations(
         spec.model, spec.seq, spec.micro_batch * spec.seq, spec.compute_itemsize,
         tables.split(spec), None if parse(policy) == "none" else actions(policy),
-        spec.attention, tables.experts(spec))
+        "blockwise" if blockwise else spec.attention, tables.experts(spec))
 
 
 def memory(spec) -> list[Term]:

@@ -43,9 +43,9 @@ import math
 from collections import defaultdict
 
 from jaxscale.axes import MESH_AXES
-from jaxscale.strategies import pp
 from jaxscale.strategies.accumulate import region_loops
 from jaxscale.strategies.common import Comm, Term, own_mean
+from jaxscale.strategies.tables.params import outer_runs
 
 NAME = "dp"
 AVAILABLE = True
@@ -155,7 +155,7 @@ def collectives(spec) -> list[Comm]:
 
     for leaf in leaves(spec.model):
         # reduced once per micro-batch (outside the layers: on the pipeline stage using it)
-        reps = L * k if leaf.stacked else pp.outer_runs(spec, leaf)
+        reps = L * k if leaf.stacked else outer_runs(spec, leaf)
         # every data axis holds partial gradients; experts are complete where they live
         replica = [a for a in data if not (a == "ep" and "experts" in leaf.axes)]
         inner = [a for a in replica if a not in once and not (a == "dp" and own_mean(spec))]

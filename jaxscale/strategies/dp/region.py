@@ -79,15 +79,18 @@ def stack_local(tree, n_devices: int):
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + a.shape), tree)
 
 
-def scatter_or_sum(g, spec: P, axes, manual_axes):
+def scatter_or_sum(g, spec: P, axes, manual_axes, layout: P | None = None):
     """The sum of `g` over `axes`: scattered back along the dimensions `scattered` keeps, summed
-    over the rest."""
+    over the rest. `layout`: the parameter's own layout, whose other axes (pp's stages, tp's
+    pieces) stay split while the scatter runs on each device's shard (without it XLA gathers
+    them first)."""
     done = []
     for dim, e in enumerate(spec):
         if e is not None:
             over = entry_axes(e)
             g = on_shards(lambda v, over=over, dim=dim: jax.lax.psum_scatter(
-                v, over, scatter_dimension=dim, tiled=True), g, drop(spec, manual_axes))
+                v, over, scatter_dimension=dim, tiled=True), g,
+                drop(spec if layout is None else layout, manual_axes))
             done += over
     rest = tuple(a for a in axes if a not in done)
     return jax.lax.psum(g, rest) if rest else g
@@ -129,7 +132,8 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
         # mean over the mean axes, for the strategy's mean)
         share = ntok * n_mean / jnp.where(total > 0, total, 1.0)
         grads = jax.tree.map(lambda g: g * share.astype(g.dtype), grads)
-        grads = jax.tree.map(lambda g, sp: scatter_or_sum(g, sp, summed, axes), grads, back)
+        grads = jax.tree.map(lambda g, sp, full: scatter_or_sum(g, sp, summed, axes, full),
+                             grads, back, param_specs, is_leaf=is_p)
         if mean is not None:
             grads = jax.tree.map(lambda g: g[None], grads)
         seen = stats.pop(PROBE, None)

@@ -21,7 +21,7 @@ gradients.
 """
 from __future__ import annotations
 
-from jaxscale.strategies import remat
+from jaxscale.strategies import dp, remat
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.pp import schedules as ps
 from jaxscale.strategies.pp import stages
@@ -103,7 +103,10 @@ def collectives(spec) -> list[Comm]:
         return []
     prog = program_for(spec)
     act = boundary_bytes(spec)
-    outer = sum(leaf.local_size(spec) * 4 for leaf in leaves(spec.model) if not leaf.stacked)
+    # inside the data region the axes it reduces once per step hold the outer leaves whole
+    whole = dp.sync_axes(spec)
+    outer = sum(leaf.local_size(spec, drop=whole) * 4 for leaf in leaves(spec.model)
+                if not leaf.stacked)
     rings = " and ".join(k for k, r in prog.rings.items() if r)
     return [Comm("collective-permute", ("pp",), prog.permutes * act, prog.permutes,
                  f"stage boundary, {prog.ticks} ticks on the {rings} ring: activations "
@@ -117,17 +120,6 @@ def branch_share(spec) -> list[float]:
     """A device runs one pipeline op per tick, not all of them: the share of (tick, device) slots
     each branch of the engine's switch takes (`program.Program.branch_share`)."""
     return program_for(spec).branch_share()
-
-
-def outer_runs(spec, leaf=None) -> float:
-    """How often per step, averaged over the devices, the embedding or the head runs (and their
-    collectives with it): once per micro-batch (m), or with pipelining only on the first or last
-    stage, m / p; a tied embedding's gradient (`leaf`) comes from both stages, 2 m / p."""
-    k, p = max(1, spec.accumulate), spec.deg("pp")
-    if p == 1:
-        return k
-    tied = leaf is not None and leaf.use == "embedding" and spec.model.tie_embeddings
-    return k / p * (2 if tied else 1)
 
 
 def memory(spec) -> list[Term]:

@@ -143,3 +143,14 @@ def is_lookup(names: tuple) -> bool:
     """An embedding table ("vocab", "embed"): read by row, never multiplied."""
     own = [n for n in names if n not in STACKED]
     return own[:1] == ["vocab"] and own[-1:] == ["embed"]
+
+
+def outer_runs(spec, leaf=None) -> float:
+    """How often per step, averaged over the devices, the embedding or the head runs (and their
+    collectives with it): once per micro-batch (m), or with pipelining only on the first or last
+    stage, m / p; a tied embedding's gradient (`leaf`) comes from both stages, 2 m / p."""
+    k, p = max(1, spec.accumulate), spec.deg("pp")
+    if p == 1:
+        return k
+    tied = leaf is not None and leaf.use == "embedding" and spec.model.tie_embeddings
+    return k / p * (2 if tied else 1)

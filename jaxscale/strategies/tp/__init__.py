@@ -21,10 +21,10 @@ region's own reduce-scatter, which XLA:CPU emits as one too).
 from __future__ import annotations
 
 from jaxscale.hooks import register
-from jaxscale.strategies import pp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.remat import actions
 from jaxscale.strategies.tables.activations import expert_rows, moe_layers, stream_bytes
+from jaxscale.strategies.tables.params import outer_runs
 
 NAME = "tp"
 AVAILABLE = True
@@ -73,7 +73,7 @@ def collectives(spec) -> list[Comm]:
     redo = 1 if actions(spec.remat)["o_proj"] == "remat" else 0
     grouped = spec.tp_overlap == "none"      # the column groups (`columns.py`); else the rings
     fwd, bwd = (2 + redo) * L * k, (2 if grouped else 5) * L * k
-    ko = pp.outer_runs(spec)             # embedding and head: on their pipeline stage
+    ko = outer_runs(spec)             # embedding and head: on their pipeline stage
     stats = 3 * spec.micro_batch * spec.local_seq * 4 * ko
     extra, moe_count = _expert_extra(spec)     # MoE layers: their MLP's on the slot buffer
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
