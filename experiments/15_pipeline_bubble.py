@@ -1,26 +1,28 @@
 """python experiments/15_pipeline_bubble.py [--p 4] [--m 8] [--v 2] [--out runs/15_pipeline_bubble]
                                         [--figure docs/img/pipeline_schedules.png]
                                         [--temp-figure docs/img/exp15_temp_vs_m.png]
-                                        [--no-compile]        # ~2.5 min on 2 cores; 1 s without
+                                        [--no-compile]        # ~2 min on 2 cores; 1 s without
 
 Topic 15: pipeline bubbles. Every schedule of `jaxscale.strategies.pp.schedules` (naive, GPipe,
-1F1B, interleaved 1F1B with v virtual stages, ZB-H1) built for p devices and m micro-batches and run
-by its discrete-event simulator, T_F = 1 and a whole backward of 2 (ZB-H1: B = W = 1, the paper's
-T_F = T_B = T_W), stages of equal cost. Prints simulated bubble against the closed form, the
-idle/compute overhead (Megatron's form), the peak micro-batches in flight on device 0 and the bubble
-when each stage-to-stage transfer costs 0.1 T_F. Writes bubble.json and a stacked Gantt chart
-(gpipe, 1f1b, interleaved, zb-h1) under --out, or at --figure. This part needs no JAX and takes
-about a second.
+1F1B, interleaved 1F1B with v virtual stages, ZB-H1, and ZB-V with two chunks per device placed
+in a V) built for p devices and m micro-batches and run by the discrete-event simulator
+(`jaxscale.strategies.pp.simulator`), T_F = 1 and a whole backward of 2 (ZB-H1 and ZB-V: B = W =
+1, the paper's T_F = T_B = T_W), stages of equal cost. Prints the simulated bubble against the
+closed form, the idle/compute overhead (Megatron's form), the peak micro-batches in flight on
+device 0 and the bubble when each stage-to-stage transfer costs 0.1 T_F. Writes bubble.json and
+a stacked Gantt chart (gpipe, 1f1b, interleaved, zb-h1, zb-v) under --out, or at --figure. This
+part needs no JAX and takes about a second.
 
 The compiled side (skipped with --no-compile): the train step of the tiny LLaMA (4 layers, seq
 64, micro-batches of 4 rows) on pp = 2 x fsdp = 4, run by the pipeline engine
-(`jaxscale.strategies.pp.engine`), for gpipe, 1f1b, interleaved (v = 2) and zb-h1 at m = 2, 4, 8
-(batch 4 m; p = 2, so every m >= p). Per plan: the engine's ticks and residual slots, the
-compiled temp memory per device (`memory_analysis`) against the planner's prediction, the
-compiled collective-permutes over pp (count, bytes: the census) against `strategies.pp.
-collectives`, the compiled matmul FLOPs per device against the planner's (ZB-H1's W repeats
-the stage's backward chain), and the simulated bubble against the formula. Writes
-compiled.json and temp_vs_m.png (or --temp-figure) under --out.
+(`jaxscale.strategies.pp.engine`), for gpipe, 1f1b, interleaved (v = 2) and zb-h1 at m = 2 and
+8, and zb-v at m = 4 and 8 (batch 4 m; p = 2; ZB-V needs m >= 2 p). Per plan: the engine's ticks
+and residual slots, the compiled temp memory per device (`memory_analysis`) against the
+planner's prediction, the compiled collective-permutes over pp (count, bytes: the census)
+against `strategies.pp.collectives`, the compiled matmul FLOPs per device against the planner's
+(the zero-bubble schedules' W computes only the weight gradients, from the matmul inputs and
+output gradients B kept: the FLOPs of 1F1B), and the simulated bubble against the formula.
+Writes compiled.json and temp_vs_m.png (or --temp-figure) under --out.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ import sys
 import time
 
 from jaxscale.strategies.pp import schedules as ps
+from jaxscale.strategies.pp import simulator
 
 COMM = 0.1
-MS = (2, 4, 8)
-COMPILED = ("gpipe", "1f1b", "interleaved", "zb-h1")
+MS = (2, 8)
+COMPILED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 BASE = ("model.n_layers=4", "data.seq_len=64", "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4",
         "mesh.tp=1")
 
@@ -44,11 +47,11 @@ def rows(p: int, m: int, v: int) -> list[dict]:
     for name in ps.NAMES:
         mm, vv = (1 if name == "naive" else m), (v if name == "interleaved" else 1)
         sc = ps.make(name, p, mm, vv)
-        r = ps.simulate(sc)
-        out.append(dict(schedule=name, p=p, m=mm, v=vv, makespan=r.makespan, bubble=r.bubble,
+        r = simulator.simulate(sc)
+        out.append(dict(schedule=name, p=p, m=mm, v=sc.v, makespan=r.makespan, bubble=r.bubble,
                         formula=ps.formula_bubble(name, p, mm, vv), overhead=r.overhead,
                         in_flight_dev0=r.in_flight[0], peak_in_flight=r.peak_in_flight,
-                        bubble_comm=ps.simulate(sc, t_comm=COMM).bubble))
+                        bubble_comm=simulator.simulate(sc, t_comm=COMM).bubble))
     return out
 
 
@@ -63,6 +66,11 @@ def table(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ms(name: str) -> tuple[int, ...]:
+    """The micro-batch counts compiled for a schedule (ZB-V needs m >= 2 p = 4)."""
+    return (4, 8) if name == "zb-v" else MS
+
+
 def compiled_rows() -> list[dict]:
     """Compile each (schedule, m) plan on pp=2 x fsdp=4 once; memory and pp census vs theory."""
     import _common  # noqa: F401  (8 simulated devices, before jax is imported)
@@ -75,7 +83,7 @@ def compiled_rows() -> list[dict]:
     out = []
     for name in COMPILED:
         v = 2 if name == "interleaved" else 1
-        for m in MS:
+        for m in _ms(name):
             cfg = tiny_config(*BASE, f"plan.schedule={name}", f"plan.virtual_stages={v}",
                               f"plan.accumulate={m}", f"data.batch_size={4 * m}")
             t0 = time.perf_counter()
@@ -87,7 +95,7 @@ def compiled_rows() -> list[dict]:
             got = next((c for c in rep["collectives"]
                         if c["kind"] == "collective-permute" and c["axes"] == ["pp"]),
                        {"count": 0, "bytes": 0})
-            sim = ps.simulate(ps.make(name, 2, m, v))
+            sim = simulator.simulate(ps.make(name, 2, m, v))
             out.append(dict(schedule=name, p=2, m=m, v=v, ticks=prog.ticks,
                             res_slots=prog.slots["res"], in_flight=pp.in_flight(spec),
                             temp=rep["memory"]["temp"], temp_pred=pred.memory.xla["temp"],
@@ -124,6 +132,8 @@ def plot_temp(rs: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, name in enumerate(COMPILED):
         mine = [r for r in rs if r["schedule"] == name]
+        if not mine:
+            continue
         ms = [r["m"] for r in mine]
         colour = f"C{i}"
         label = name + (" v=2" if name == "interleaved" else "")
@@ -132,7 +142,7 @@ def plot_temp(rs: list[dict], path: str) -> None:
         ax.plot(ms, [r["temp_pred"] / 2 ** 20 for r in mine], "x--", color=colour, alpha=0.7,
                 label=f"{label} (planner)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(list(MS), [str(m) for m in MS])
+    ax.set_xticks([2, 4, 8], ["2", "4", "8"])
     ax.set_xlabel("micro-batches m (4 rows each; batch 4 m)")
     ax.set_ylabel("temp memory per device (MiB)")
     ax.set_title("pp=2 x fsdp=4, tiny LLaMA 4 layers, seq 64: compiled vs planner", fontsize=9)
@@ -156,18 +166,20 @@ def main(argv=None) -> int:
     t_start = time.time()
     rs = rows(a.p, a.m, a.v)
     print(table(rs))
-    zb, one = (next(r for r in rs if r["schedule"] == n) for n in ("zb-h1", "1f1b"))
-    print(f"zb-h1 / 1f1b: bubble fraction {zb['bubble'] / one['bubble']:.3f}, "
-          f"idle time {zb['bubble'] * zb['makespan'] / (one['bubble'] * one['makespan']):.3f}, "
-          f"idle/compute {zb['overhead'] / one['overhead']:.3f}")
+    one = next(r for r in rs if r["schedule"] == "1f1b")
+    for name in ps.SPLIT:
+        zb = next(r for r in rs if r["schedule"] == name)
+        print(f"{name} / 1f1b: bubble fraction {zb['bubble'] / one['bubble']:.3f}, idle time "
+              f"{zb['bubble'] * zb['makespan'] / (one['bubble'] * one['makespan']):.3f}, "
+              f"idle/compute {zb['overhead'] / one['overhead']:.3f}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bubble.json"), "w") as f:
         json.dump(rs, f, indent=1)
     fig = a.figure or os.path.join(a.out, "pipeline_schedules.png")
     os.makedirs(os.path.dirname(fig) or ".", exist_ok=True)
     scheds = [ps.make(n, a.p, a.m, a.v if n == "interleaved" else 1)
-              for n in ("gpipe", "1f1b", "interleaved", "zb-h1")]
-    ps.draw(scheds[0], None, fig, also=tuple((s, None) for s in scheds[1:]))
+              for n in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")]
+    simulator.draw(scheds[0], None, fig, also=tuple((s, None) for s in scheds[1:]))
     print(f"wrote {fig} and {os.path.join(a.out, 'bubble.json')}")
     if a.no_compile:
         return 0
@@ -185,12 +197,13 @@ def main(argv=None) -> int:
           and abs(r["flops_pred"] / r["flops"] - 1) <= 0.01
           and abs(r["bubble"] - r["formula"]) < 1e-9 for r in cs]
     by = {(r["schedule"], r["m"]): r["temp"] for r in cs}
-    growth = {n: by[n, MS[-1]] / by[n, MS[0]] for n in COMPILED}
-    print("temp at m=8 / temp at m=2: " + ", ".join(f"{n} {g:.2f}" for n, g in growth.items()))
+    growth = {n: by[n, MS[-1]] / by[n, _ms(n)[0]] for n in COMPILED}
+    print("temp at m=8 / temp at the smallest m: "
+          + ", ".join(f"{n} {g:.2f}" for n, g in growth.items()))
     fl = {(r["schedule"], r["m"]): r["flops"] for r in cs}
     print("compiled FLOPs / 1f1b's at m=8: " + ", ".join(
         f"{n} {fl[n, MS[-1]] / fl['1f1b', MS[-1]]:.3f}" for n in COMPILED)
-          + " (zb-h1's W repeats the stage's backward chain)")
+          + " (the zero-bubble W computes the weight gradients only)")
     with open(os.path.join(a.out, "compiled.json"), "w") as f:
         json.dump(cs, f, indent=1)
     tfig = a.temp_figure or os.path.join(a.out, "temp_vs_m.png")

@@ -1,6 +1,6 @@
 """Experiment 19: 3D parallelism (data x pipeline x tensor) as published, per GPU.
 
-    python experiments/19_3d_parallelism.py --out runs/exp19        # ~1.5 min on 2 CPU cores
+    python experiments/19_3d_parallelism.py --out runs/exp19        # ~2.5 min on 2 CPU cores
 
 Part 1 (analytic, instant): the per-GPU memory and the communication by mesh axis of three
 published 3D layouts, from the planner:
@@ -10,21 +10,24 @@ published 3D layouts, from the planner:
   2, ZeRO-1, bf16;
 - Llama 3 405B (Llama 3 paper, Table 4): TP8 x PP16 x DP128 on 16,384 H100 80GB, 8192 tokens,
   16 sequences per DP rank, bf16, jaxscale's own LLaMA block with a fused attention; its 126
-  layers on 32 virtual stages are uneven (Meta gives the first and last stage one layer fewer):
-  the planner models the busiest stage's ceil(126 / 16) = 8 layers per device, and says that the
-  pipeline engine, which needs equal stages, would refuse the plan.
+  layers on 16 x 2 virtual stages are uneven: `plan.stage_layers=auto` balances each device's
+  stages against the embedding and the head (the first and the last device hold one layer
+  fewer, as Meta's layout), the step time follows the busiest device's 8 layers, and it is a
+  plan `train` accepts.
 Each GPT-style layout is shown with the activation variants of Korthikanti et al. (TP only,
 TP + SP + selective recompute, full recompute); BLOOM does not fit in 80 GB without recompute,
 which is why such runs recompute. The claims checked: each layout fits in its GPUs' 80 GB with
 selective or full recompute, and Llama 3 405B on its published mesh fits with full remat.
 
-Part 2 (compiled, ~1 min): 2 x 2 x 2 layouts this machine runs, compiled, with the planner's
+Part 2 (compiled, ~2 min): 2 x 2 x 2 layouts this machine runs, compiled, with the planner's
 per-device memory, per-axis communication and FLOPs beside the compiled step's: dp2 x fsdp2 x tp2
-(tiny LLaMA, 2 layers), and real 3D plans with pipeline stages (4 layers, the pipeline engine of
-`jaxscale.strategies.pp.engine`): pp2 x fsdp2 x tp2 with 1F1B (m = 4) and with interleaved 1F1B
-(v = 2, m = 4), dp2 x pp2 x tp2 with 1F1B (m = 2), ZeRO-1 and bf16. Each pipelined plan also
-runs its first train step from the same initial values as the unpipelined model (fsdp = 8, same
-precision): the losses must agree (fp32 1e-5, bf16 1e-2).
+(tiny LLaMA, 2 layers), and real 3D and 4D plans with pipeline stages (4 layers, the pipeline
+engine of `jaxscale.strategies.pp.engine`): pp2 x fsdp2 x tp2 with 1F1B (m = 4), dp2 x pp2 x tp2
+with 1F1B (m = 2), ZeRO-1 and bf16, pp2 x sp2 x tp2 with ring attention inside the stages (the
+4D layout of long-context training, less its data axis), a mixture of experts over pp2 x ep2 x
+tp2, and uneven 3 + 1 layer stages over pp2 x fsdp4. Each pipelined plan also runs its first
+train step from the same initial values as the unpipelined model (fsdp = 8, same precision):
+the losses must agree (fp32 1e-5, bf16 1e-2).
 Writes results.json, compiled.json, table.md and memory.png to --out.
 """
 from __future__ import annotations
@@ -46,7 +49,8 @@ cpu_only()
 
 from jaxscale import (  # noqa: E402
     hardware,
-    models,  # noqa: E402
+    models,
+    plan,
     planner,
 )
 from jaxscale.config import Config, DataConfig, apply_overrides  # noqa: E402
@@ -54,6 +58,7 @@ from jaxscale.mesh import MeshConfig  # noqa: E402
 from jaxscale.planner import gpt  # noqa: E402
 from jaxscale.planner.report import nbytes  # noqa: E402
 from jaxscale.strategies import pp  # noqa: E402
+from jaxscale.strategies.pp import stages  # noqa: E402
 
 GB = 1e9
 
@@ -82,9 +87,8 @@ def gpt_rows(name, cfg, t, p, d, micro, batch, zero, device):
 
 def llama_row():
     mesh = MeshConfig(dp=128, pp=16, tp=8, dcn_dp=128, dcn_pp=16, device_kind="h100")
-    # 126 layers: Meta balances the pp16 x v2 stages by giving the first and the last one layer
-    # fewer (the embedding and the head sit there); the planner holds ceil(126 / 16) = 8 layers
-    # per device, the largest stage of the published layout
+    # 126 layers on pp16 x v2: `plan.stage_layers=auto` gives the devices holding the
+    # embedding and the head one layer fewer (7, 8 x 14, 7), the published balance
     cfg = Config(model=dataclasses.replace(models.get("llama3-405b"), attention="auto"),
                  mesh=mesh, data=DataConfig(seq_len=8192, batch_size=2048))
     rows = []
@@ -102,25 +106,33 @@ def llama_row():
                      "optimizer": m.optimizer, "acts": m.activations + m.temporaries + m.batch,
                      "total": m.total, "capacity": pred.capacity,
                      "comm_bytes": _by_axis(pred.collectives), "bubble": bf / (1 + bf),
-                     "mfu": pred.time.mfu})
+                     "mfu": pred.time.mfu, "stages": stages.device_layers(pred.spec),
+                     "refused": pred.spec.problems() + plan.unavailable(pred.spec)})
     return rows
 
 
 PP4 = ("model.n_layers=4", "data.batch_size=16")
+UNPIPED = (*PP4, "mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1")
+MOE = ("model.moe_experts=4",)
 #: name -> (overrides on `tiny_config`, the unpipelined plan whose first-step loss it must equal)
 COMPILED = {
     "dp2 x fsdp2 x tp2": (("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"), None),
     "pp2 x fsdp2 x tp2, 1f1b m4": (
         (*PP4, "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=1f1b",
          "plan.accumulate=4"), (*PP4, "mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1")),
-    "pp2 x fsdp2 x tp2, interleaved v2 m4": (
-        (*PP4, "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
-         "plan.schedule=interleaved", "plan.virtual_stages=2", "plan.accumulate=4"),
-        (*PP4, "mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1")),
     "dp2 x pp2 x tp2, 1f1b m2, zero-1 bf16": (
         (*PP4, "mesh.dp=2", "mesh.pp=2", "mesh.fsdp=1", "mesh.tp=2", "plan.schedule=1f1b",
          "plan.accumulate=2", "plan.zero=1", "plan.precision=bf16"),
         (*PP4, "mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1", "plan.precision=bf16")),
+    "pp2 x sp2 x tp2 ring, 1f1b m2": (
+        (*PP4, "mesh.dp=1", "mesh.pp=2", "mesh.sp=2", "mesh.fsdp=1", "mesh.tp=2",
+         "plan.context=ring", "plan.accumulate=2"), UNPIPED),
+    "MoE pp2 x ep2 x tp2, 1f1b m2": (
+        (*PP4, *MOE, "mesh.dp=1", "mesh.pp=2", "mesh.ep=2", "mesh.fsdp=1", "mesh.tp=2",
+         "plan.accumulate=2"), (*UNPIPED, *MOE)),
+    "pp2 x fsdp4, stages 3+1, 1f1b m2": (
+        (*PP4, "mesh.dp=1", "mesh.pp=2", "mesh.fsdp=4", "mesh.tp=1", "plan.stage_layers=3,1",
+         "plan.accumulate=2"), UNPIPED),
 }
 
 
@@ -182,6 +194,12 @@ def main() -> int:
     print("Part 1: published 3D layouts, per GPU (planner)\n")
     print("\n".join(lines))
     llama = [r for r in rows if r["layout"] == "Llama 3 405B"][-1]
+    print(f"\nLlama 3 405B: layers per pipeline device {llama['stages']} (auto); "
+          f"train: {'; '.join(llama['refused']) or 'accepted'}")
+    claims.append(("Llama 3 405B's published layout (126 layers, TP8 x PP16 x DP128) is a plan "
+                   "train accepts, the first and last devices one layer fewer",
+                   not llama["refused"] and llama["stages"][0] == llama["stages"][-1]
+                   == max(llama["stages"]) - 1 and sum(llama["stages"]) == 126))
     print(f"\nLlama 3 405B predicted MFU {llama['mfu']:.1%} (published 38-43%; the planner puts "
           f"every TP collective on the critical path and jaxscale's block reduces 5 input "
           f"gradients per layer where a fused QKV / gate-up block reduces 2)")
