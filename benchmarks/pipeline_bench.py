@@ -7,30 +7,17 @@ One device: a stage's op costs measured on it, at the shape a p-stage pipeline g
 (L / p layers, one micro-batch): T_F the forward; T_B the input-gradient backward (the weights
 constants, as a zero-bubble B runs it); T_W what the whole backward adds to it (the weight
 gradients). Each schedule is then run by the simulator (`strategies.pp.simulator`) with those
-costs: makespan and bubble, in wall time, beside the unpipelined step of the same micro-batches
-on one device. With several devices the same, and the engine itself timed over pp = devices for
-every schedule, beside the unpipelined step over dp. Writes `pipeline.json` and prints a table.
+costs: makespan and bubble in wall time, beside the ideal m (T_F + T_B + T_W) of a stage
+without a bubble. With several devices, also the engine itself timed over pp = devices for every
+schedule, beside the unpipelined step over dp = devices. Writes `pipeline.json` and prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-
-
-def _timed(fn, *args, repeat: int = 5) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))                     # compile and warm up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def op_costs(cfg, p: int) -> dict:
@@ -39,6 +26,7 @@ def op_costs(cfg, p: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxscale.analysis.profiling import median_seconds
     from jaxscale.train.state import FunctionalModel
     model = FunctionalModel(cfg.model)
     params = jax.jit(model.init)(jax.random.key(0))
@@ -53,7 +41,7 @@ def op_costs(cfg, p: int) -> dict:
     fwd = jax.jit(stage)
     both = jax.jit(jax.grad(stage, argnums=(0, 1)))
     inp = jax.jit(jax.grad(stage, argnums=1))
-    t_f, t_all, t_in = _timed(fwd, lay, x), _timed(both, lay, x), _timed(inp, lay, x)
+    t_f, t_all, t_in = (median_seconds(f, lay, x) for f in (fwd, both, inp))
     return {"layers": n, "t_f": t_f, "t_b": max(t_in - t_f, 1e-9),
             "t_w": max(t_all - t_in, 1e-9)}
 
@@ -64,9 +52,8 @@ def simulated(costs: dict, p: int, m: int) -> list[dict]:
     t_f, t_b, t_w = costs["t_f"], costs["t_b"], costs["t_w"]
     rows = []
     for name in SCHEDULES:
-        v = 2 if name in ("interleaved", "zb-v") else 1
         try:
-            sc = ps.make(name, p, m, v)
+            sc = ps.make(name, p, m, 2 if name == "interleaved" else 1)
         except ValueError as e:
             rows.append({"schedule": name, "skipped": str(e)})
             continue
@@ -78,6 +65,7 @@ def simulated(costs: dict, p: int, m: int) -> list[dict]:
 
 def engine_times(base: list[str], p: int, m: int) -> list[dict]:
     """The train step over pp = p devices per schedule, and over dp = p unpipelined."""
+    from jaxscale.analysis.profiling import median_seconds
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.data import Batches, load_corpus
     from jaxscale.train.setup import build
@@ -91,7 +79,7 @@ def engine_times(base: list[str], p: int, m: int) -> list[dict]:
         def one():
             box["state"], m_ = s.train_step(box["state"], batch)
             return m_["loss"]
-        return _timed(one)
+        return median_seconds(one)
     rows = [{"schedule": "unpipelined dp", "step_s": step_time(
         (f"mesh.dp={p}", "mesh.pp=1", f"plan.accumulate={m}"))}]
     for name in SCHEDULES:

@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxscale.analysis.profiling import median_seconds  # noqa: E402
 from jaxscale.hooks.attention import attention  # noqa: E402
 from jaxscale.kernels import flash_attention as fa  # noqa: E402
 from jaxscale.kernels import flash_tuning as ft  # noqa: E402
@@ -60,17 +60,6 @@ IMPLS = ("pallas", "cudnn", "xla")
 def attention_flops(batch, seq, heads, head_dim, causal, backward: bool) -> float:
     fwd = 4.0 * seq * seq * head_dim * heads * batch * (0.5 if causal else 1.0)
     return fwd * (3.5 if backward else 1.0)
-
-
-def time_fn(f, *args, reps: int) -> float:
-    """Median seconds per call after one warm-up (which also compiles)."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_one(impl, batch, seq, heads, head_dim, causal, dtype, reps, check: bool) -> dict:
@@ -88,7 +77,7 @@ def bench_one(impl, batch, seq, heads, head_dim, causal, dtype, reps, check: boo
     if impl == "pallas":  # which tuning-table entry the kernels ran with
         row["tuning"] = ft.resolve_tuning(head_dim, causal, dtype).source
     try:
-        t = time_fn(fwd, q, k, v, reps=reps)
+        t = median_seconds(fwd, q, k, v, reps=reps)
         row.update(fwd_ms=t * 1e3, fwd_tflops=attention_flops(
             batch, seq, heads, head_dim, causal, False) / t / 1e12)
         if check:
@@ -97,7 +86,7 @@ def bench_one(impl, batch, seq, heads, head_dim, causal, dtype, reps, check: boo
                                                     implementation="xla"))(q, k, v)
             out = fwd(q, k, v).astype(jnp.float32)
             row["rel_err_vs_xla_fp32"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        t = time_fn(fwd_bwd, q, k, v, do, reps=reps)
+        t = median_seconds(fwd_bwd, q, k, v, do, reps=reps)
         row.update(fwd_bwd_ms=t * 1e3, fwd_bwd_tflops=attention_flops(
             batch, seq, heads, head_dim, causal, True) / t / 1e12)
     except Exception as e:  # unsupported shape/dtype, OOM: record it and move on
@@ -176,7 +165,7 @@ def candidates(kernel, current: ft.KernelConfig, head_dim, itemsize, tiny) -> li
 
 def _time_ms(f, args, reps) -> float | str:
     try:
-        return time_fn(jax.jit(f), *args, reps=reps) * 1e3
+        return median_seconds(jax.jit(f), *args, reps=reps) * 1e3
     except Exception as e:  # out of shared memory, compile failure: recorded, not fatal
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -126,3 +128,15 @@ def _plot(rows, path: Path, leak) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def median_seconds(fn, *args, reps: int = 5) -> float:
+    """Median wall seconds of `fn(*args)` over `reps` calls after one warm-up call (which also
+    compiles), each waited for (`jax.block_until_ready`)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
