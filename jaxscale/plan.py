@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from jaxscale import hardware
-from jaxscale.axes import MESH_AXES, Rules
+from jaxscale.axes import DATA_AXES, MESH_AXES, Rules
 from jaxscale.fields import raise_problems
 from jaxscale.strategies import (
     accumulate,
@@ -149,7 +149,7 @@ class Spec:
     @property
     def data_axes(self) -> tuple[str, ...]:
         """Mesh axes the batch is split over (ep carries tokens too: experts live on data ranks)."""
-        return tuple(a for a in ("dp", "fsdp", "ep") if self.deg(a) > 1)
+        return tuple(a for a in DATA_AXES if self.deg(a) > 1)
 
     @property
     def data_degree(self) -> int:

@@ -6,9 +6,8 @@ ZeRO stage (when dp > 1), remat policy (none, save_dots, full), accumulation or 
 batches, the pipeline schedule (1F1B, interleaved, ZB-H1, ZB-V), and when the data axes reduce
 the gradients (`plan.grad_sync`, where the modes differ: `sync_modes`). Node boundaries follow
 the mesh's outer-to-inner order: the outermost axes take the cross-node (DCN) part, as
-`MeshConfig.dcn_*` would. Precision and offload
-stay as configured (they change numerics or need host memory the user must grant);
-`does_not_fit_message` does consider them as fixes.
+`MeshConfig.dcn_*` would. Precision and offload stay as configured (they change numerics or need
+host memory the user must grant); `does_not_fit_message` does consider them as fixes.
 
 Each candidate is either accepted (valid and fits) or rejected with its reason: the first
 validation problem (`jaxscale.plan.problems`, the same checks `train` makes), a strategy `train`

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from jaxscale.axes import MESH_AXES
+from jaxscale.axes import DATA_AXES, MESH_AXES
 from jaxscale.strategies.accumulate import region_loops
 from jaxscale.strategies.common import Comm, Term, own_mean
 from jaxscale.strategies.tables.params import outer_runs
@@ -133,7 +133,7 @@ def collectives(spec) -> list[Comm]:
     pb, k = spec.wire_param_itemsize, max(1, spec.accumulate)
     # local SGD averages the replicas over dp itself (local_sgd/); inside each replica (an
     # fsdp x tp group) the other data axes reduce as in any step
-    data = [a for a in ("dp", "fsdp", "ep") if spec.deg(a) > 1
+    data = [a for a in DATA_AXES if spec.deg(a) > 1
             and not (a == "dp" and spec.local_sgd != "none")]
     seq = spec.deg("sp") > 1         # sequence shards hold partial gradients too
     if not data and not seq:
