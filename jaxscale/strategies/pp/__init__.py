@@ -26,6 +26,7 @@ from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.pp import schedules as ps
 from jaxscale.strategies.pp import stages
 from jaxscale.strategies.pp.program import program_for
+from jaxscale.strategies.tables import activations as act_table
 from jaxscale.strategies.tables.activations import stream_bytes
 from jaxscale.strategies.tables.params import leaves
 
@@ -154,12 +155,10 @@ def memory(spec) -> list[Term]:
 def tape_bytes(spec) -> float:
     """One layer's tape for one micro-batch per device: each weight matmul's input (once per
     group reading it) and output gradient, a mixture of experts' MLP not among them."""
-    m, t = spec.model, spec.deg("tp")
-    d, f, q, kv = m.dim, m.ffn_dim / t, m.n_heads * m.hd / t, m.n_kv_heads * m.hd / t
-    d_in = d / t if spec.sequence_parallel else d        # the residual stream, as it is split
-    attn = (d_in + q) + (q + 2 * kv + d_in)              # inputs of qkv, o; their outputs
-    mlp = 0.0 if spec.moe else (d_in + f) + (2 * f + d_in)
-    return spec.micro_batch * spec.local_seq * (attn + mlp) * spec.compute_itemsize
+    tags = [t for t in (*act_table.MATMUL_INPUTS, *act_table.MATMUL_TAGS)
+            if not (spec.moe and t.startswith("mlp_"))]
+    return sum(act_table.tag_bytes(spec.model, t, spec.micro_batch * spec.seq,
+                                   spec.compute_itemsize, act_table.split(spec)) for t in tags)
 
 
 def label(spec) -> list[str]:

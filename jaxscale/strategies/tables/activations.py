@@ -60,6 +60,8 @@ _TAG_SIZES = {
 }
 #: the tags of the weight matmuls' outputs (what JAX's `dots_with_no_batch_dims_saveable` keeps)
 MATMUL_TAGS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+#: the weight matmuls' inputs, one per group of sites reading it (q, k, v read `attn_norm`)
+MATMUL_INPUTS = ("attn_norm", "attn_out", "mlp_norm", "mlp_hidden")
 
 
 @dataclass(frozen=True)
@@ -159,9 +161,8 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
     x = full["x"]
     saved, host = {"x": x}, 0.0
     for tag, how in actions.items():
-        size_fn, region = _TAG_SIZES[tag]
         rows = mlp_rows(experts) if tag.startswith("mlp_") and tag != "mlp_norm" else 1.0
-        nbytes = tokens * size_fn(model) * rows * compute_itemsize * split.factor(region)
+        nbytes = tag_bytes(model, tag, tokens, compute_itemsize, split) * rows
         if how == "save":
             saved[tag] = nbytes
         elif how == "offload":
@@ -169,6 +170,12 @@ def layer_activations(model, seq_len: int, tokens: float, compute_itemsize: int,
     kept = sum(saved.values())
     frac = sum(actions[t] == "remat" for t in MATMUL_TAGS) / len(MATMUL_TAGS)
     return LayerActivations(kept, host, total - kept, frac, saved)
+
+
+def tag_bytes(model, tag: str, tokens: float, itemsize: int, split: Split) -> float:
+    """Bytes per device of the tagged tensor (`_TAG_SIZES`) of one layer for `tokens` tokens."""
+    size_fn, region = _TAG_SIZES[tag]
+    return tokens * size_fn(model) * itemsize * split.factor(region)
 
 
 def split(spec) -> Split:
