@@ -169,7 +169,7 @@ def label(spec) -> list[str]:
 
 def shape_step(spec, parts) -> None:
     """The step: the gradients computed by the schedule over the stages (`engine.make_grads_fn`),
-    the stacked layers stored in the schedule's order (`program.layer_order`)."""
+    the stacked layers stored in the stages' padded order (`stages.layer_order`)."""
     if active(spec):
         parts.set("grads", _engine, by=NAME)
         parts.set("layer_order", stages.layer_order(spec), by=NAME)
