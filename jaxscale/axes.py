@@ -50,6 +50,8 @@ class Rules:
     #: `context` (attention over a sequence split across devices, set by sp), `projection` (the
     #: weight matmuls: collective matmul, QAT), `experts` (a mixture of experts' dispatch, ep)
     seams: dict[str, str] = field(default_factory=dict)
+    #: a seam's implementation's settings from the plan (`set_seam(..., **options)`)
+    options: dict[str, dict] = field(default_factory=dict)
 
     def add(self, logical: str, mesh_axes: str | Sequence[str] | None, by: str) -> "Rules":
         if logical not in LOGICAL_AXES:
@@ -69,14 +71,17 @@ class Rules:
         self.owner[logical] = by
         return self
 
-    def set_seam(self, seam: str, name: str, by: str) -> "Rules":
-        """The model's `seam` runs implementation `name`, for strategy `by`; a second strategy
-        setting another one is an error naming both, like two rules for one logical axis."""
+    def set_seam(self, seam: str, name: str, by: str, **options) -> "Rules":
+        """The model's `seam` runs implementation `name` (with the plan's `options`), for
+        strategy `by`; a second strategy setting another one is an error naming both, like two
+        rules for one logical axis."""
         if self.seams.get(seam, name) != name:
             raise ValueError(f"{by} and {self.owner[seam + ' seam']} both replace the model's "
                              f"{SEAMS.get(seam, seam)} (the rules' {seam} seam): choose one "
                              f"of them")
         self.seams[seam], self.owner[seam + " seam"] = name, by
+        if options:
+            self.options[seam] = options
         return self
 
     def spec(self, names: Iterable[str | None]):
@@ -98,7 +103,7 @@ class Rules:
         arrays of a `shard_map` manual over those axes are laid out by on the other axes."""
         gone = set(mesh_axes)
         return Rules({k: tuple(a for a in v if a not in gone) for k, v in self.table.items()},
-                     dict(self.owner), dict(self.seams))
+                     dict(self.owner), dict(self.seams), dict(self.options))
 
 
 _ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(

@@ -21,6 +21,7 @@ from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
 from jaxscale.strategies.compression import METHODS as COMPRESSIONS
 from jaxscale.strategies.dp import SYNC_MODES
+from jaxscale.strategies.ep import DISPATCHES
 from jaxscale.strategies.local_sgd import METHODS as LOCAL_SGD
 from jaxscale.strategies.overlap import MODES as TP_OVERLAPS
 from jaxscale.strategies.overlap import XLA_PRESETS
@@ -118,6 +119,11 @@ class PlanConfig:
     sparse_embedding: bool = False    # dp: exchange only the embedding rows a device touched
     qat: str = one_of("none", "none", *QAT_METHODS)  # 8-bit block matmuls (strategies/quant)
     fp8_amax_history: int = nonneg(16)  # fp8 delayed scaling's amax history; 0: just in time
+    moe_dispatch: str = one_of("padded", *DISPATCHES)  # grouped experts' exchange over ep:
+                                      # padded (counts, then bounded blocks; any backend) |
+                                      # ragged (jax.lax.ragged_all_to_all; GPU) (strategies/ep)
+    moe_buffer: float = ranged(2.0, above=0, note="rows sent per peer, in units of the "
+                               "balanced share: f x tokens x top_k / ep")  # the bound's factor f
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", 
            "stage_layers", "compression", "compression_block", "compression_density",
            "compression_threshold", "compression_rank", "prune",
            "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
-           "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history")
+           "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history",
+           "moe_dispatch", "moe_buffer")
 
 
 def moments(optim) -> int:
@@ -115,6 +116,8 @@ class Spec:
     sparse_embedding: bool = False      # sparse embedding-gradient exchange over dp
     qat: str = "none"                   # 8-bit matmuls, quantisation-aware (strategies/quant)
     fp8_amax_history: int = 16          # fp8 delayed scaling's history; 0: current scaling
+    moe_dispatch: str = "padded"        # grouped experts' exchange over ep (strategies/ep)
+    moe_buffer: float = 2.0             # its bound: f x the balanced share of rows per peer
 
     # ------------------------------------------------------------------ construction
     @classmethod

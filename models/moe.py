@@ -35,27 +35,25 @@ Losses (returned as statistics, weighted into the training loss by `jaxscale/tra
 Both are averaged over the MoE layers, over the whole global batch (the router runs in the
 global, GSPMD view, so every data-parallel degree computes the same value).
 
-Dispatch. The capacity mode (default) gives each expert `cfg.moe_capacity(T)` = C =
-ceil(capacity_factor x T x k / E) slots per *sequence* (at most T: an expert takes a token at
-most once). Within a sequence, assignments claim slots in token order, a token's choices in rank
-order; one past its expert's capacity is dropped. So (1) a token's fate depends only on earlier
-tokens of its own sequence: the model stays causal, and (2) the same tokens drop whatever the
-data, expert or tensor parallel layout or the micro-batching: sharded runs equal one device even
-when tokens drop. Tokens are scattered into a buffer [E, B, C, dim] (`scatter_to_slots`), the
-experts run as batched matmuls over it (`expert_ffn`, GSPMD-sharded: `experts` over ep, the rows
-over the other data axes, `mlp` over tp) and the results are gathered back and weighted
-(`gather_from_slots`). Expert parallelism moves the buffer with one all-to-all each way
-(`jaxscale.hooks.experts.to_experts` / `from_experts`: under a plan, inside `jax.shard_map`);
-without it the same code runs with no collective. `top_k` is k rounds of argmax, not `lax.top_k`,
-whose GSPMD partitioning gathers the whole batch.
+Dispatch, two ways (each through the `experts` seam, `jaxscale.hooks.experts`; under a plan
+inside `jax.shard_map`, `jaxscale.strategies.ep`):
 
-Dropless mode (`model.moe_dropless`): no token is ever dropped. Without expert parallelism the
-assignments are sorted by expert and the experts run as grouped matmuls (`jax.lax.ragged_dot`)
-over exactly k N rows (`ragged_experts`, per data shard: `experts.on_data_shards`). Under expert
-parallelism the all-to-all needs static shapes, so dropless uses the capacity buffer at its
-worst case, C = T slots per sequence and expert (nothing can overflow): exact, at E / k times
-the routed volume in all-to-all bytes, buffer memory and expert FLOPs (a ragged all-to-all
-would move only what is routed; not used here).
+- capacity slots (capacity mode on whole sequences): each expert has `cfg.moe_capacity(T)` = C
+  = ceil(capacity_factor x T x k / E) slots per *sequence* (at most T: an expert takes a token
+  at most once). Within a sequence, assignments claim slots in token order, a token's choices
+  in rank order; one past its expert's capacity is dropped. So (1) a token's fate depends only
+  on earlier tokens of its own sequence: the model stays causal, and (2) the same tokens drop
+  whatever the data, expert, tensor or sequence parallel layout or the micro-batching: sharded
+  runs equal one device even when tokens drop. Tokens are scattered into a buffer [E, B, C, dim]
+  (`scatter_to_slots`), the experts run as batched matmuls over it (`expert_ffn`), and the
+  results are gathered back and weighted (`gather_from_slots`); expert parallelism moves the
+  buffer with one all-to-all each way.
+- grouped experts (dropless, `model.moe_dropless`, or a sequence split over devices): the kept
+  assignments sorted by expert, the experts as grouped matmuls (`jax.lax.ragged_dot`) over
+  exactly the routed rows (`ragged_experts` on one shard, `grouped_ffn` the experts). Under
+  expert parallelism the rows travel in bounded blocks (`plan.moe_buffer` times the balanced
+  share per peer: the routed volume, not a worst-case buffer); capacity, where it applies, is
+  still counted over the whole sequence in token order.
 
 Remat: the expert activations carry the dense MLP's tags (`mlp_gate`, `mlp_up`, `mlp_hidden`,
 `mlp_down`), so name-based policies treat both alike; `save_dots` keeps only matmuls without
@@ -65,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,21 +168,44 @@ def expert_ffn(buf_EBCD, w_gate, w_up, w_down):
     return constrain(out, "experts", "batch", None, "embed")
 
 
-def ragged_experts(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
-    """Dropless on one shard: the k N assignments sorted by expert, each expert a grouped matmul
-    over its rows (`jax.lax.ragged_dot`), unsorted, weighted and summed: [B, T, D]."""
-    B, T, D = x_BTD.shape
-    K, E, dt = idx_BTK.shape[-1], w_gate.shape[0], x_BTD.dtype
-    flat = idx_BTK.reshape(-1)                                  # [N k], token-major
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.sum(jax.nn.one_hot(flat, E, dtype=jnp.int32), axis=0)
-    xs = x_BTD.reshape(B * T, D)[order // K]                    # [N k, D], grouped by expert
-    g = checkpoint_name(lax.ragged_dot(xs, w_gate.astype(dt), sizes), "mlp_gate")
-    u = checkpoint_name(lax.ragged_dot(xs, w_up.astype(dt), sizes), "mlp_up")
+def grouped_ffn(xs_RD, sizes_E, w_gate, w_up, w_down):
+    """SwiGLU of every expert over rows grouped by expert (`sizes_E` rows each, in expert order;
+    rows past their sum give zeros): grouped matmuls, `jax.lax.ragged_dot`. [R, D]."""
+    dt = xs_RD.dtype
+    g = checkpoint_name(lax.ragged_dot(xs_RD, w_gate.astype(dt), sizes_E), "mlp_gate")
+    u = checkpoint_name(lax.ragged_dot(xs_RD, w_up.astype(dt), sizes_E), "mlp_up")
     h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")
-    ys = checkpoint_name(lax.ragged_dot(h, w_down.astype(dt), sizes), "mlp_down")
-    y = ys[jnp.argsort(order)].reshape(B, T, K, D)              # back to token-major
-    return jnp.sum(y * w_BTK[..., None].astype(dt), axis=2)
+    return checkpoint_name(lax.ragged_dot(h, w_down.astype(dt), sizes_E), "mlp_down")
+
+
+def kept(idx_BTK, n_experts: int, capacity: int | None):
+    """[B,T,k] bool: the assignments that reach their expert (all of them when dropless)."""
+    if capacity is None:
+        return jnp.ones(idx_BTK.shape, jnp.bool_)
+    return slot_positions(idx_BTK, n_experts) < capacity
+
+
+def ragged_experts(x_BTD, idx_BTK, w_BTK, weights, capacity=None):
+    """The grouped experts on one shard: the kept assignments sorted by expert (dropped ones
+    last, computing nothing), `grouped_ffn`, unsorted, weighted and summed. (y [B, T, D], the
+    number of dropped assignments)."""
+    B, T, D = x_BTD.shape
+    K, E = idx_BTK.shape[-1], weights[0].shape[0]
+    keep = kept(idx_BTK, E, capacity).reshape(-1)
+    key = jnp.where(keep, idx_BTK.reshape(-1), E)               # [N k], token-major
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.sum(jax.nn.one_hot(key, E, dtype=jnp.int32), axis=0)
+    xs = x_BTD.reshape(B * T, D)[order // K]                    # [N k, D], grouped by expert
+    y = grouped_ffn(xs, sizes, *weights)[jnp.argsort(order)].reshape(B, T, K, D)
+    y = jnp.sum(y * w_BTK[..., None].astype(y.dtype), axis=2)
+    return y, jnp.sum(~keep).astype(F32)
+
+
+class Grouped(NamedTuple):
+    """The model's pieces of the grouped experts, for the `experts` seam (`hooks.experts`)."""
+    local: Callable = ragged_experts
+    ffn: Callable = grouped_ffn
+    positions: Callable = slot_positions
 
 
 # ----------------------------------------------------------------------------- the block
@@ -209,11 +231,10 @@ class MoE(nnx.Module):
         logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K)
         share = data_mean(expert_share(idx, E))
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
-        if cfg.moe_dropless and not experts.experts_split():
-            y = experts.on_data_shards(ragged_experts, x_BTD, idx, w, *weights)
-            dropped = jnp.zeros((), F32)
+        C = None if cfg.moe_dropless else cfg.moe_capacity(T)
+        if C is None or experts.sequence_split():
+            y, dropped = experts.grouped(Grouped(), x_BTD, idx, w, weights, C)
         else:
-            C = cfg.moe_capacity(T)
             pos = slot_positions(idx, E)
             buf = experts.to_experts(functools.partial(scatter_to_slots, n_experts=E, capacity=C),
                                 x_BTD, idx, pos)

@@ -25,7 +25,7 @@ from tests.helpers import MESH_1, tiny_config
 #: dim 32, 4 heads, 8 experts of ffn 64, top-2, 2 layers, seq 16, batch 8
 TINY = ("model.dim=32", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_dim=64",
         "model.moe_experts=8", "model.moe_top_k=2", "data.seq_len=16")
-DROPLESS = ("model.moe_dropless=true",)
+DROPLESS = ("model.moe_dropless=true", "plan.moe_buffer=8")   # f = ep: nothing overflows
 CAPACITY = ("model.capacity_factor=1.0",)          # 4 slots per expert and sequence: drops
 MESHES = {1: ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=1"),
           2: ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"),
@@ -88,6 +88,46 @@ def one_device():
 def test_expert_parallel_matches_one_device(mode, ep, one_device):
     ov = DROPLESS if mode == "dropless" else CAPACITY
     assert_close(loss_and_grads(setup_of(*MESHES[ep], *ov)), one_device[mode])
+
+
+#: tokens split along the sequence where the experts read them: context parallelism (ring with
+#: its zig-zag layout, Ulysses) and Megatron SP (each tp rank dispatches its own tokens)
+SPLIT = {"ep2 x sp2 x tp2 ring": ("mesh.dp=1", "mesh.fsdp=1", "mesh.ep=2", "mesh.sp=2",
+                                  "mesh.tp=2"),
+         "dp2 x ep2 x tp2 megatron-sp": ("mesh.dp=2", "mesh.fsdp=1", "mesh.ep=2", "mesh.tp=2",
+                                         "plan.sequence_parallel=true"),
+         "fsdp2 x sp2 x tp2 ulysses megatron-sp": (
+             "mesh.dp=1", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=2", "plan.context=ulysses",
+             "plan.sequence_parallel=true")}
+
+
+@pytest.mark.parametrize("mode,layout", [("dropless", "ep2 x sp2 x tp2 ring"),
+                                         ("capacity", "ep2 x sp2 x tp2 ring"),
+                                         ("capacity", "dp2 x ep2 x tp2 megatron-sp"),
+                                         ("dropless", "fsdp2 x sp2 x tp2 ulysses megatron-sp")])
+def test_split_sequences_match_one_device(mode, layout, one_device):
+    """The grouped experts on a sequence split over devices: capacity counted over the whole
+    sequence in token order (the same tokens drop as on one device, zig-zag or not), and with
+    Megatron SP every tp rank dispatching only its own tokens."""
+    ov = DROPLESS if mode == "dropless" else CAPACITY
+    assert_close(loss_and_grads(setup_of(*SPLIT[layout], *ov)), one_device[mode])
+
+
+def test_bounded_exchange_counts_its_overflow(monkeypatch):
+    """At ep = 8 with plan.moe_buffer=1 each device sends each peer (one expert) at most
+    S = ceil(1 x 16 tokens x 2 / 8) = 4 rows; the rest overflow. The reported dropped share
+    equals the overflow counted by hand from the router's choices, sequence by sequence (one
+    sequence per device)."""
+    setup = setup_of(*MESHES[8], "model.moe_dropless=true", "plan.moe_buffer=1")
+    params = setup.init_state().params
+    logits = router_logits(setup, params, monkeypatch)
+    over = 0
+    for layer in logits:
+        idx = np.argsort(-layer, axis=-1, kind="stable")[..., :2]          # [B, T, k]
+        for seq in idx:
+            over += np.maximum(np.bincount(seq.ravel(), minlength=8) - 4, 0).sum()
+    stats = forward_stats(setup, params)
+    assert over > 0 and float(stats["dropped"]) == over
 
 
 def test_expert_parallel_with_zero3_and_remat_matches_one_device(one_device):
@@ -288,8 +328,9 @@ def test_train_step_metrics_and_checkpoint_across_ep_degrees(tmp_path, monkeypat
     (("model.moe_experts=4", "model.capacity_factor=-1.5"), "model.capacity_factor=-1.5"),
     (("model.moe_experts=4", "model.moe_every=2"),
      "model.moe_every=2 mixes dense and expert layers, but model.scan_layers=true"),
-    (("mesh.dp=1", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=2", "model.moe_experts=4"),
-     "with mesh.sp=2: expert capacity is counted per whole sequence"),
+    (("model.moe_experts=4", "plan.moe_dispatch=ragged"),
+     "plan.moe_dispatch=ragged runs jax.lax.ragged_all_to_all, which XLA:CPU cannot run"),
+    (("model.moe_experts=4", "plan.moe_buffer=0"), "plan.moe_buffer=0.0: must be a number > 0"),
     (("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=2", "mesh.ep=2"),
      "mesh.ep=2 needs a mixture-of-experts"),
 ])

@@ -92,14 +92,21 @@ PLANS = {
 SMALL = ("model.dim=256", "model.ffn_dim=768", "model.n_layers=4", "data.seq_len=64",
          "data.batch_size=16")
 #: mixture-of-experts plans (8 experts, top-2, capacity factor 1.25 unless dropless): expert
-#: parallelism with the data axes, tp, remat, bf16, accumulation and ZeRO-1; dropless under ep
-#: (the worst-case buffer) and without it over dp (sorted, ragged); `moe` is added to each name
+#: parallelism with the data axes, tp, remat, bf16, accumulation and ZeRO-1; the grouped experts
+#: (dropless under ep: the bounded exchange; without ep over dp and fsdp x tp; a sequence split
+#: by Megatron SP or context parallelism); `moe` is added to each name
 MOE = {
     "dp2xep4": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4"),
     "fsdp2xep2xtp2": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2"),
     "ep8 dropless": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=8",
                      "model.moe_dropless=true"),
     "dp8 dropless": (*PLANS["dp8"], "model.moe_dropless=true"),
+    "dp2xep4 dropless": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4",
+                         "model.moe_dropless=true"),
+    "dp2xfsdp2xtp2 dropless": (*PLANS["dp2xfsdp2xtp2"], "model.moe_dropless=true"),
+    "ep4xtp2 megatron-sp dropless": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=2", "mesh.ep=4",
+                                     "plan.sequence_parallel=true", "model.moe_dropless=true"),
+    "ep2xsp2xtp2 ring": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=2", "mesh.ep=2", "mesh.sp=2"),
     "dp2xep4 remat=full": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4",
                            "plan.remat=full"),
     "ep4xtp2 remat=full": ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=2", "mesh.ep=4",

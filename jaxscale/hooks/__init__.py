@@ -10,7 +10,7 @@ The model calls three hooks, each with a plain default and nothing of any strate
 - `projection.project_columns`: the matmuls that read one input (q, k, v; gate, up), each still
   through `project`; by the implementation registered under the rules' `columns` seam (tensor
   parallelism's: the group in one region, so its input gradient is reduced once);
-- `experts.to_experts` / `from_experts` / `on_data_shards`: a mixture of experts' dispatch of
+- `experts.to_experts` / `from_experts` / `grouped`: a mixture of experts' dispatch of
   tokens to expert slots and back (`models/moe.py`); by the implementation registered under the
   rules' `experts` seam (the sharded dispatch of expert parallelism).
 

@@ -1,4 +1,4 @@
-"""A mixture of experts' dispatch of tokens to expert slots and back, through one seam.
+"""A mixture of experts' dispatch of tokens to their experts and back, through one seam.
 
 `models/moe.py` routes each token to k experts and calls, with its own local functions:
 
@@ -6,8 +6,12 @@
   tokens [B, T, D], their experts `idx` and slot positions `pos` [B, T, k];
 - `from_experts(gather, out, idx, pos, w)`: `gather` weights and sums each token's expert
   outputs back into [B, T, D];
-- `on_data_shards(fn, x, idx, w, w_gate, w_up, w_down)`: dropless experts without expert
-  parallelism, `fn` on each data shard (sorted rows through `jax.lax.ragged_dot`).
+- `grouped(parts, x, idx, w, weights, capacity)`: the grouped experts (assignments sorted by
+  expert, `jax.lax.ragged_dot` over the rows): dropless (`capacity` None), or with `capacity`
+  slots per expert and sequence; `parts` are the model's `local` (the whole computation on one
+  shard), `ffn` (the experts over rows grouped by expert) and `positions` (each assignment's
+  place in its expert's queue within its sequence). Returns (y [B, T, D], the number of
+  assignments that reached no expert).
 
 Outside a plan each is the local call. Under a plan the rules' `experts` seam names the
 implementation that runs them per data shard inside `jax.shard_map`, with the all-to-alls over
@@ -23,6 +27,13 @@ def experts_split() -> bool:
     """Whether the rules in force split the logical `experts` axis (expert parallelism)."""
     ctx = active()
     return bool(ctx and ctx[1].table.get("experts"))
+
+
+def sequence_split() -> bool:
+    """Whether the rules in force split the tokens of a sequence where the experts read them
+    (the residual stream's `norm_seq`: context parallelism, Megatron sequence parallelism)."""
+    ctx = active()
+    return bool(ctx and ctx[1].table.get("norm_seq"))
 
 
 def to_experts(scatter, x_BTD, idx_BTK, pos_BTK):
@@ -41,9 +52,9 @@ def from_experts(gather, out_EBCD, idx_BTK, pos_BTK, w_BTK):
     return impl.from_experts(mesh, rules, gather, out_EBCD, idx_BTK, pos_BTK, w_BTK)
 
 
-def on_data_shards(fn, x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down):
+def grouped(parts, x_BTD, idx_BTK, w_BTK, weights, capacity=None):
     found = implementation("experts")
     if found is None:
-        return fn(x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)
+        return parts.local(x_BTD, idx_BTK, w_BTK, weights, capacity)
     impl, mesh, rules = found
-    return impl.on_data_shards(mesh, rules, fn, x_BTD, idx_BTK, w_BTK, w_gate, w_up, w_down)
+    return impl.grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity)

@@ -23,6 +23,7 @@ import math
 
 from jaxscale.strategies import dp, qat, zero
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import leaves, outer_runs
 
 NAME = "fsdp"
@@ -79,6 +80,8 @@ def collectives(spec) -> list[Comm]:
         if leaf.path.startswith("layers/"):
             quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
             layer_f += size if quantised is None else quantised[0]
+            if grouped(spec) and leaf.path.startswith("layers/mlp/"):
+                continue     # the grouped experts keep their gathered weights and the router
             layer_b += size if quantised is None else quantised[1]
             count_b += int(spec.layers_per_device if leaf.stacked else 1)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0

@@ -45,6 +45,7 @@ from collections import defaultdict
 from jaxscale.axes import DATA_AXES, MESH_AXES
 from jaxscale.strategies.accumulate import region_loops
 from jaxscale.strategies.common import Comm, Term, own_mean
+from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import outer_runs
 
 NAME = "dp"
@@ -184,6 +185,19 @@ def collectives(spec) -> list[Comm]:
                 add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
         rest, size = list(inner), gathered
+        if "experts" in leaf.axes and grouped(spec):
+            # the grouped experts' region (`strategies/ep/grouped.py`) gathers the expert
+            # weights over fsdp inside: its transpose scatters them back there, then the region
+            # sums them over the other data axes and the sequence shards, at the shard's size
+            if "fsdp" in rest:
+                add("psum-scatter", ["fsdp"], size, reps, "expert weight gradients, scattered "
+                    "over fsdp in the grouped experts' region")
+                rest.remove("fsdp")
+                size /= spec.deg("fsdp")
+            if rest or seq:
+                add("all-reduce", rest + ["sp"] * seq, size, reps, "expert weight gradients "
+                    "over the replicas and the sequence shards (the grouped experts' region)")
+            continue
         if zero >= 2 and "dp" in rest:
             group = [a for a in rest if a in ("dp", "fsdp")]
             add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "

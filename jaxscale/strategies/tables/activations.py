@@ -46,6 +46,7 @@ layer's full activations again while its backward runs (the recompute working se
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: tag -> (elements per token as a function of the model, split region)
@@ -191,23 +192,71 @@ def stream_bytes(spec) -> float:
 
 
 # ----------------------------------------------------------------------------- mixtures of experts
-def ragged(spec) -> bool:
-    """Dropless without ep: each token's k rows sorted by expert through `jax.lax.ragged_dot`."""
-    return bool(spec.model.moe_dropless) and spec.deg("ep") == 1
+def grouped(spec) -> bool:
+    """The grouped experts (`strategies/ep/grouped.py`): the kept assignments sorted by expert,
+    exchanged over ep in bounded blocks, `jax.lax.ragged_dot` over the rows: dropless, or
+    with a sequence split over devices (context parallelism, Megatron SP). Otherwise the
+    capacity mode's slot buffer."""
+    return bool(spec.moe) and bool(spec.model.moe_dropless or tokens_split(spec))
+
+
+def tokens_split(spec) -> tuple[str, ...]:
+    """The mesh axes splitting a sequence's tokens where the experts read them (`norm_seq`)."""
+    return (("sp",) * (spec.deg("sp") > 1)
+            + ("tp",) * bool(spec.sequence_parallel and spec.deg("tp") > 1))
+
+
+def bound(n_rows: int, n_ep: int, factor: float, cap_rows: int | None) -> int:
+    """S, the rows of the grouped exchange a device sends each expert-parallel peer: all its
+    `n_rows` assignments without ep; in capacity mode its slots on the peer's experts
+    `cap_rows` (exact: no more can be kept); else ceil(factor x n_rows / n_ep), at most n_rows
+    (`plan.moe_buffer`: rows past it overflow)."""
+    if n_ep == 1:
+        return n_rows
+    if cap_rows is not None:
+        return min(n_rows, cap_rows)
+    return max(1, min(n_rows, math.ceil(factor * n_rows / n_ep - 1e-9)))
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One device's grouped exchange per MoE layer and micro-batch: `tokens` its own tokens,
+    `per_peer` rows S sent to each of `ep` peers, `sources` blocks of S rows its experts run
+    (ep, times tp when the tokens are split over tp and gathered there), `local_experts`."""
+    tokens: float
+    per_peer: int
+    ep: int
+    sources: int
+    local_experts: int
+
+    @property
+    def rows(self) -> int:
+        return self.sources * self.per_peer
+
+
+def exchange(spec) -> Exchange:
+    m, e = spec.model, spec.deg("ep")
+    over_tp = spec.deg("tp") if "tp" in tokens_split(spec) else 1
+    tokens = spec.micro_batch * spec.local_seq / over_tp
+    n = int(round(tokens * m.moe_top_k))
+    cap = None if m.moe_dropless else int(spec.micro_batch * m.moe_capacity(spec.seq)
+                                          * m.moe_experts // e)
+    return Exchange(tokens, bound(n, e, spec.moe_buffer, cap), e, e * over_tp,
+                    m.moe_experts // e)
 
 
 def ragged_dense(spec) -> bool:
-    """`ragged` on a CPU, where `ragged_dot` lowers to its reference: a dense matmul of every
-    row with every expert."""
-    return ragged(spec) and spec.device_kind == "cpu"
+    """`grouped` on a CPU, where `ragged_dot` lowers to its reference: a dense matmul of every
+    row with every local expert."""
+    return grouped(spec) and spec.device_kind == "cpu"
 
 
 def expert_rows(spec) -> float:
-    """Expert rows per token of a MoE layer: E C / T slots of the capacity buffer (E in
-    dropless mode under ep: the worst case), or exactly k sorted rows for dropless without ep."""
+    """Expert rows per token (of micro-batch x local sequence) of a MoE layer: E C / T slots of
+    the capacity buffer, or the grouped exchange's rows (padding included)."""
     m = spec.model
-    if ragged(spec):
-        return float(m.moe_top_k)
+    if grouped(spec):
+        return exchange(spec).rows / (spec.micro_batch * spec.local_seq)
     T = int(spec.local_seq)
     return m.moe_experts * m.moe_capacity(T) / T
 

@@ -27,14 +27,14 @@ def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows:
 
 def moe_rows(spec) -> tuple[float, float]:
     """(expert MLP rows computed per token, fraction of MoE layers) as the compiled step does it:
-    `expert_rows`, except that dropless without ep on a CPU runs `jax.lax.ragged_dot`'s
-    reference lowering, a dense matmul of every row with every expert (E k rows per token)."""
+    `expert_rows`, except that the grouped experts on a CPU run `jax.lax.ragged_dot`'s
+    reference lowering, a dense matmul of every row with every local expert."""
     m = spec.model
     if not spec.moe:
         return 0.0, 0.0
     rows = expert_rows(spec)
     if ragged_dense(spec):
-        rows *= m.moe_experts
+        rows *= m.moe_experts // spec.deg("ep")
     return rows, m.n_moe_layers / m.n_layers
 
 

@@ -20,10 +20,21 @@ region's own reduce-scatter, which XLA:CPU emits as one too).
 """
 from __future__ import annotations
 
+import math
+
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.remat import actions
-from jaxscale.strategies.tables.activations import expert_rows, moe_layers, stream_bytes
+from jaxscale.strategies.tables.activations import (
+    exchange,
+    expert_rows,
+    moe_layers,
+    stream_bytes,
+    tokens_split,
+)
+from jaxscale.strategies.tables.activations import (
+    grouped as grouped_experts,
+)
 from jaxscale.strategies.tables.params import outer_runs
 
 NAME = "tp"
@@ -77,6 +88,10 @@ def collectives(spec) -> list[Comm]:
     stats = 3 * spec.micro_batch * spec.local_seq * 4 * ko
     extra, moe_count = _expert_extra(spec)     # MoE layers: their MLP's on the slot buffer
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
+        # a grouped MoE layer's experts read the tokens split (`strategies/ep/grouped.py`):
+        # its MLP has none of the dense MLP's gathers and scatters, but the region's own
+        g = moe_layers(spec) * k if grouped_experts(spec) else 0
+        fwd, bwd = fwd - g, bwd - g
         rs = dict(group=t, cpu_kind="all-reduce")
         block = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd),
                       f"block outputs, {2 + redo} forward per layer", **rs),
@@ -85,11 +100,11 @@ def collectives(spec) -> list[Comm]:
                       "layer in the backward (their region's own reduce-scatter)"
                       + (" (a MoE layer's gate and up ones on its slot buffer)" if extra else ""),
                       group=t),
-                 Comm("all-gather", ("tp",), 6 * L * k * act, 6 * L * k,
+                 Comm("all-gather", ("tp",), (6 * L * k - 3 * g) * act, int(6 * L * k - 3 * g),
                       "norm outputs into the attention and MLP (2 forward), their output "
                       "gradients and the norm outputs again for the weight gradients (4 backward) "
                       "per layer (a rematerialised forward's gathers take the place of the "
-                      "latter)", group=t)]
+                      "latter)", group=t)] + _grouped_rows(spec)
         rows = [] if spec.tp_overlap != "none" else block   # collective matmul: ring permutes
         norms = (2 * L + 1) * spec.model.dim * 4 * k      # fp32 scale gradients
         seq = ("sp", "tp") if spec.deg("sp") > 1 else ("tp",)    # the residual's split
@@ -120,6 +135,31 @@ def collectives(spec) -> list[Comm]:
     return rows
 
 
+def _grouped_rows(spec) -> list[Comm]:
+    """A grouped MoE layer with its tokens split over tp (`strategies/ep/grouped.py`): the
+    received rows all-gathered over tp before the experts and reduce-scattered after, forward
+    and (their transposes) backward, with the per-expert counts gathered beside them; the
+    router's gradient and its balance statistics reduced over the sequence shards."""
+    if not (grouped_experts(spec) and "tp" in tokens_split(spec)):
+        return []
+    t, k, Lm, m = spec.deg("tp"), max(1, spec.accumulate), moe_layers(spec), spec.model
+    replay = actions(spec.remat)["mlp_down"] == "remat"
+    x = exchange(spec)
+    rows = x.rows * m.dim * spec.compute_itemsize
+    n, runs = (2 + replay) * Lm * k, (1 + replay) * Lm * k
+    seq = tokens_split(spec)
+    return [Comm("all-gather", ("tp",), rows * n + x.sources * x.local_experts * 4 * runs,
+                 n + runs, "grouped experts: the received rows gathered over tp before the "
+                 "experts (forward, and the scatter's transpose backward), and their counts",
+                 group=t),
+            Comm("reduce-scatter", ("tp",), rows * n, n, "grouped experts: their partial "
+                 "outputs scattered back over tp (forward, and the gather's transpose backward)",
+                 group=t),
+            Comm("all-reduce", seq, (m.dim + 2) * m.moe_experts * 4 * Lm * k, Lm * k,
+                 "the router's gradient and its balance statistics over the sequence shards",
+                 group=math.prod(spec.deg(a) for a in seq))]
+
+
 def _expert_extra(spec) -> tuple[float, int]:
     """A MoE layer's MLP all-reduces act on its slot buffer, R = `expert_rows` rows per token,
     not on bsh: the expert outputs forward (R for 1), the gate and up input gradients backward
@@ -128,6 +168,10 @@ def _expert_extra(spec) -> tuple[float, int]:
     the all-reduces beyond its count)."""
     if not spec.moe:
         return 0.0, 0
+    if grouped_experts(spec):   # the dense MLP's at [b, t, D], with the top-k weights' gradient
+        m = spec.model          # (k fp32 per token) reduced beside the input's
+        return (m.moe_top_k * 4 / (m.dim * spec.compute_itemsize) * moe_layers(spec)
+                * max(1, spec.accumulate)), 0
     k, Lm, r = max(1, spec.accumulate), moe_layers(spec), expert_rows(spec)
     redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
     return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k, (1 + redo) * Lm * k

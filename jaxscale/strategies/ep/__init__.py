@@ -1,0 +1,168 @@
+"""Expert parallelism over the `ep` mesh axis, for a mixture-of-experts model (Mixtral style).
+
+The model (`models/moe.py`: `model.moe_experts` E, `model.moe_top_k` k, `model.capacity_factor`)
+replaces the MLP of every `model.moe_every`-th layer with E SwiGLU experts and a linear router.
+Rules: `experts -> ep`; tokens stay split over `ep` as over a data axis (the batch rule includes
+it). Saves: expert weights, their gradients and optimizer state split ep ways (each device holds
+E / ep experts whole, or split over tp and fsdp as a dense MLP is).
+
+Its collectives and their cost, per MoE layer and micro-batch, by the dispatch a plan runs
+(`tables.activations.grouped` says which):
+
+- the slot buffer (capacity mode on whole sequences, `slots.py`): each device scatters its
+  tokens into [E, b, C, D] slots (C = `ModelConfig.moe_capacity(T)` per expert and sequence,
+  R = E C / T ~ k x capacity_factor rows per token); 2 all-to-alls of the whole buffer over
+  `ep` forward (dispatch, combine) and 2 backward, each tokens x R x dim x beta; the expert MLP
+  between is GSPMD's, its tp all-reduces on the buffer (`strategies/tp`);
+- the grouped experts (dropless, or a sequence split over sp or Megatron SP's tp,
+  `grouped.py`): the kept assignments sorted by expert and sent in bounded blocks of S rows per
+  peer (S = ceil(f x tokens x k / ep), f = `plan.moe_buffer`; capacity mode: its exact slot
+  bound), after a first all-to-all of the per-expert counts: per layer 4 all-to-alls of ep x S
+  rows (f x the routed volume tokens x k x dim x beta, the minimum) and one of the counts;
+  rows past S overflow (counted in `moe_dropped`). The experts run as grouped matmuls over the
+  received rows; with the tokens split over tp the rows are all-gathered over tp before them
+  and reduce-scattered after (`strategies/tp` counts those); without ep there is no all-to-all.
+  `plan.moe_dispatch=ragged` sends the same blocks through `jax.lax.ragged_all_to_all`,
+  moving only the filled rows (GPUs; XLA:CPU cannot run it).
+
+A full-remat policy replays the forward's all-to-alls in the backward (6 per layer, and the
+counts' twice): the combine's backward needs each token's expert outputs. Expert gradients are
+complete where the experts live, so they are not reduced over `ep` (`strategies/dp`).
+
+The step side: `Sharded`, the implementation of the model's `experts` seam
+(`jaxscale.hooks.experts`) under a plan.
+"""
+from __future__ import annotations
+
+import math
+
+from jaxscale.axes import MESH_AXES
+from jaxscale.hooks import register
+from jaxscale.strategies import remat
+from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.ep import grouped as grouped_lib
+from jaxscale.strategies.ep import slots
+from jaxscale.strategies.fsdp import gather_axes
+from jaxscale.strategies.tables.activations import (
+    exchange,
+    expert_rows,
+    grouped,
+    moe_layers,
+    ragged_dense,
+    tokens_split,
+)
+from jaxscale.strategies.tables.params import leaves
+
+NAME = "ep"
+AVAILABLE = True
+#: `plan.moe_dispatch`: the grouped experts' exchange over ep (`grouped.py`)
+DISPATCHES = ("padded", "ragged")
+
+
+def active(spec) -> bool:
+    return spec.deg("ep") > 1 or spec.moe
+
+
+def problems(spec) -> list[str]:
+    e, E, errs = spec.deg("ep"), spec.model.moe_experts, []
+    if e > 1 and not E:
+        return [f"mesh.ep={e} needs a mixture-of-experts model (model.moe_experts=0); set "
+                f"mesh.ep=1 or model.moe_experts"]
+    if E and E % e:
+        errs.append(f"model.moe_experts={E} is not divisible by mesh.ep={e}: each device of the "
+                    f"ep axis holds E / ep whole experts; choose ep dividing {E}")
+    if E and spec.moe_dispatch == "ragged" and spec.device_kind == "cpu":
+        errs.append("plan.moe_dispatch=ragged runs jax.lax.ragged_all_to_all, which XLA:CPU "
+                    "cannot run (GPUs and TPUs can): use plan.moe_dispatch=padded, the "
+                    "bounded two-phase exchange, on this backend")
+    return errs
+
+
+def rules(spec, rules) -> None:
+    if spec.deg("ep") > 1:
+        rules.add("experts", "ep", by="ep")
+    if spec.moe:
+        rules.set_seam("experts", "sharded", by=NAME, buffer=spec.moe_buffer,
+                       dispatch=spec.moe_dispatch)
+
+
+def collectives(spec) -> list[Comm]:
+    e = spec.deg("ep")
+    if not spec.moe:
+        return []
+    m, k, L = spec.model, max(1, spec.accumulate), moe_layers(spec)
+    beta, replay = spec.compute_itemsize, remat.actions(spec.remat)["mlp_down"] == "remat"
+    per_layer = 4 + 2 * replay
+    n = per_layer * L * k
+    out = []
+    if grouped(spec):
+        x = exchange(spec)
+        routed = x.tokens * m.moe_top_k * m.dim * beta
+        if e > 1:
+            runs = (1 + replay) * L * k
+            out += [Comm("all-to-all", ("ep",), x.ep * x.per_peer * m.dim * beta * n
+                         + x.ep * x.local_experts * 4 * runs, n + runs,
+                         f"grouped experts: bounded blocks of {x.per_peer} rows per peer "
+                         f"(dispatch and combine, forward and backward: {per_layer} per layer) "
+                         f"and the per-expert counts before them", group=e,
+                         minimum=routed * n)]
+        seq = tokens_split(spec)
+        if seq and not m.moe_dropless:   # the sequence's expert ids, for its capacity
+            nbytes = spec.micro_batch * spec.local_seq * spec.deg("sp") * m.moe_top_k * 4
+            out.append(Comm("all-gather", seq, nbytes * L * k, L * k, "the expert ids of the "
+                            "whole sequence (capacity counted in token order)",
+                            group=math.prod(spec.deg(a) for a in seq)))
+        axes = _token_axes(spec)
+        if axes and (e > 1 or not m.moe_dropless):
+            out.append(Comm("all-reduce", axes, 4 * L * k, L * k,
+                            "assignments that reached no expert (dropped, overflowed)",
+                            group=math.prod(spec.deg(a) for a in axes)))
+        return out
+    if e == 1:
+        return []
+    tokens = spec.micro_batch * spec.local_seq
+    buf = tokens * expert_rows(spec) * m.dim * beta
+    routed = tokens * m.moe_top_k * m.dim * beta
+    return [Comm("all-to-all", ("ep",), buf * n, n,
+                 f"MoE dispatch and combine, forward and backward ({per_layer} per layer)",
+                 group=e, minimum=routed * n)]
+
+
+def _token_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's)."""
+    axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
+    return tuple(a for a in MESH_AXES if a in axes)
+
+
+def memory(spec) -> list[Term]:
+    """Expert weights follow the rules and the routed activations are in the layer table
+    (`tables.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
+    place) the backward of a scanned MoE layer holds a copy of the layer's expert weights sliced
+    out of the stack, the operand of the batched expert matmuls; dropless without ep on a CPU
+    holds the stacked expert gradient twice (read from XLA:CPU buffer assignments: dp2 x ep4,
+    ep8, dp8 dropless)."""
+    if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
+        return []
+    local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
+    out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
+                "one MoE layer's expert weights, sliced out of the stack")]
+    if ragged_dense(spec):
+        out.append(Term("backward", local * spec.wire_param_itemsize,
+                        "the expert gradient stack again: updated out of place under "
+                        "ragged_dot's CPU lowering (dp8 dropless)"))
+    return out
+
+
+def label(spec) -> list[str]:
+    return []
+
+
+# ----------------------------------------------------------------------------- the step
+@register("experts", "sharded")
+class Sharded:
+    """The model's `experts` seam under a plan (`jaxscale.hooks.experts`): the slot buffer's
+    dispatch and combine (`slots.py`), and the grouped experts' bounded exchange
+    (`grouped.py`)."""
+    to_experts = staticmethod(slots.to_experts)
+    from_experts = staticmethod(slots.from_experts)
+    grouped = staticmethod(grouped_lib.grouped)
