@@ -13,8 +13,16 @@ model (dim 128, 2 layers, 8 experts of ffn 384, top-2, every layer), seq 64, bat
 3. The all-to-all census at ep = 2, 4, 8 beside the formula tokens x hidden x top_k x dtype
    bytes x (ep-1)/ep per all-to-all (4 per MoE layer: dispatch and combine, forward and
    backward); capacity factor 1.0 so that the slot buffer holds exactly top_k rows per token.
-4. Loss curves at ep = 1 (dp8) and ep = 4 (dp2 x ep4): equal to fp32 round-off (the same tokens
-   drop at every degree: capacity is counted per sequence).
+4. Loss curves at ep = 1 (dp8), ep = 4 (dp2 x ep4) and ep = 4 with context parallelism
+   (ep4 x sp2, ring: each sp shard dispatches its tokens, capacity counted over the whole
+   sequence): equal to fp32 round-off (the same tokens drop at every layout).
+5. Auxiliary-loss-free balancing (DeepSeek-V3's routing bias, rate 0.001, no balance loss)
+   beside the two runs of 1: its imbalance and dropped fraction.
+6. Dropless dispatch bytes, dp2 x ep4: the bounded exchange's all-to-all bytes per step at
+   plan.moe_buffer f = 1, 1.5, 2, 4 (= ep: nothing can overflow) against the routed volume
+   (tokens x top_k x dim x 4 per all-to-all) and the worst-case slot buffer the dispatch used
+   before (C = T slots per expert: E / k x the routed volume); and the share of assignments
+   that overflow at each f on a held batch (the balanced model).
 Under three minutes on 2 idle cores. Writes results.json and moe.png under --out.
 """
 from __future__ import annotations
@@ -99,11 +107,35 @@ def census(ep: int) -> dict:
             "formula_wire_bytes": formula, "planner_bytes": theory["theory_bytes"]}
 
 
-def plot(runs, drops, curves, out):
+BUFFERS = (1.0, 1.5, 2.0, 4.0)
+
+
+def dropless_dispatch(params) -> list[dict]:
+    """dp2 x ep4 dropless at each plan.moe_buffer: the all-to-all census (rows and counts) and
+    the overflowed share of one held batch (the balanced model's weights)."""
+    out = []
+    held = Batches(load_corpus(cfg_for().data).train, BATCH, SEQ, seed=0)
+    for f in BUFFERS:
+        cfg = cfg_for(*DP2EP4, "model.moe_dropless=true", f"plan.moe_buffer={f}")
+        rep = inspect.report(cfg)
+        row = [c for c in rep["collectives"] if c["kind"] == "all-to-all"][0]
+        setup = build(cfg)
+        stats = stats_fn(setup)(jax.device_put(params, setup.device_shardings.params),
+                                held.device_batch(10_000, setup.batch_shardings())["inputs"])
+        tokens = BATCH * SEQ / 8
+        routed = tokens * K * cfg.model.dim * 4 * 4 * cfg.model.n_layers
+        counts = 4 * (E // 4) * 4 * cfg.model.n_layers
+        out.append({"factor": f, "bytes": row["bytes"], "rows_bytes": row["bytes"] - counts,
+                    "routed": routed, "worst_case": routed * E / K,
+                    "overflow": float(stats["dropped"] / stats["routed"])})
+    return out
+
+
+def plot(runs, drops, curves, dispatch, out):
     plt = C.pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7.5))
     top = max(0.35, max(float(np.max(r["share"])) for r in runs.values()) * 1.05)
-    for ax, (name, r) in zip(axes[0], runs.items()):
+    for ax, (name, r) in zip(axes[0], list(runs.items())[:3]):
         for e in range(E):
             ax.plot(r["share_steps"], r["share"][:, e], lw=1.2, label=f"expert {e}")
         ax.axhline(1 / E, color="k", ls=":", lw=0.8)
@@ -126,7 +158,18 @@ def plot(runs, drops, curves, out):
         ax.plot(range(1, len(ys) + 1), ys, label=name, ls="--" if "ep=4" in name else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("loss: ep=1 (dp8) vs ep=4 (dp2 x ep4)")
+    ax.set_title("loss: ep=1, ep=4, ep=4 x sp=2")
+    ax.legend(fontsize=8)
+    ax = axes[1][2]
+    fs = [d["factor"] for d in dispatch]
+    ax.plot(fs, [d["rows_bytes"] / 2**10 for d in dispatch], "o-", label="bounded exchange")
+    ax.plot(fs, [d["routed"] * f / 2**10 for d, f in zip(dispatch, fs)], "k:",
+            label="routed volume x f")
+    ax.axhline(dispatch[0]["worst_case"] / 2**10, color="r", ls="--",
+               label="worst-case slot buffer (C = T)")
+    ax.set_xlabel("plan.moe_buffer f")
+    ax.set_ylabel("all-to-all KiB per device per step")
+    ax.set_title("dropless dispatch over ep (dp2 x ep4)")
     ax.legend(fontsize=8)
     return C.save(fig, out, "moe.png")
 
@@ -139,7 +182,10 @@ def main():
 
     runs = {"balancing loss 0.01": train(cfg_for(*DP2EP4, steps=args.steps), args.steps),
             "no balancing loss": train(cfg_for(*DP2EP4, "model.moe_aux_weight=0",
-                                               steps=args.steps), args.steps)}
+                                               steps=args.steps), args.steps),
+            "routing bias 0.001 (no loss)": train(cfg_for(
+                *DP2EP4, "model.moe_aux_weight=0", "model.moe_bias_rate=0.001",
+                steps=args.steps), args.steps)}
     rows = []
     for name, r in runs.items():
         tail = slice(-10, None)
@@ -150,6 +196,10 @@ def main():
     print(C.table(["run (dp2 x ep4)", "loss", "aux loss", "largest share x E", "dropped"], rows,
                   title=f"last 10 of {args.steps} steps, capacity factor 1.25"))
     on, off = runs["balancing loss 0.01"], runs["no balancing loss"]
+    bias = runs["routing bias 0.001 (no loss)"]
+    claims.check("routing bias: largest expert share x E at the end below the run without "
+                 "any balancing", f"{bias['imbalance']:.3f} vs {off['imbalance']:.3f}",
+                 "smaller", bias["imbalance"] < off["imbalance"])
     claims.check("balancing loss: largest expert share x E at the end below the run without",
                  f"{on['imbalance']:.3f} vs {off['imbalance']:.3f}", "smaller",
                  on["imbalance"] < off["imbalance"])
@@ -160,7 +210,8 @@ def main():
     model_cfg = cfg_for(*DP2EP4).model
     held = Batches(load_corpus(cfg_for().data).train, BATCH, SEQ, seed=0).global_rows(10_000)
     tokens = held["inputs"]
-    drops = {name: dropped_vs_capacity(model_cfg, r["params"], tokens) for name, r in runs.items()}
+    drops = {name: dropped_vs_capacity(model_cfg, r["params"], tokens)
+             for name, r in list(runs.items())[:2]}
     print()
     print(C.table(["capacity factor"] + list(drops),
                   [[f"{f:g}"] + [f"{d[i]:.4f}" for d in drops.values()]
@@ -195,19 +246,40 @@ def main():
               "ep=1 (dp8)": train(cfg_for("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1",
                                           steps=args.steps), args.steps,
                                   share_every=args.steps)["loss"]}
-    diff = max(abs(a - b) / b for a, b in zip(*curves.values()))
-    claims.check("loss curve ep=4 = ep=1 (max relative difference)", diff, "< 1e-5",
-                 diff < 1e-5)
+    curves["ep=4 x sp=2 ring"] = train(cfg_for("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1",
+                                                "mesh.ep=4", "mesh.sp=2", steps=args.steps),
+                                        args.steps, share_every=args.steps)["loss"]
+    ref = curves["ep=1 (dp8)"]
+    for name in ("ep=4 (dp2 x ep4)", "ep=4 x sp=2 ring"):
+        diff = max(abs(a - b) / b for a, b in zip(curves[name], ref))
+        claims.check(f"loss curve {name} = ep=1 (max relative difference)", diff, "< 1e-5",
+                     diff < 1e-5)
+
+    dispatch = dropless_dispatch(on["params"])
+    print()
+    print(C.table(["f", "all-to-all bytes", "rows / (routed x f)", "worst-case buffer / routed",
+                   "overflowed"],
+                  [[f"{d['factor']:g}", f"{d['bytes']:,}",
+                    f"{d['rows_bytes'] / (d['routed'] * d['factor']):.3f}",
+                    f"{d['worst_case'] / d['routed']:.1f}", f"{d['overflow']:.4f}"]
+                   for d in dispatch],
+                  title="dropless dispatch over ep, dp2 x ep4, per device per step"))
+    for d in dispatch:
+        claims.close(f"f={d['factor']:g}: exchanged rows vs routed volume x f",
+                     d["rows_bytes"], d["routed"] * d["factor"], 0.10)
+    claims.check("f = ep: nothing overflows", dispatch[-1]["overflow"], "0",
+                 dispatch[-1]["overflow"] == 0.0)
     print()
     print(C.table(["step"] + list(curves),
                   [[i + 1] + [f"{v[i]:.5f}" for v in curves.values()]
                    for i in range(0, args.steps, max(1, args.steps // 12))], title="loss"))
-    plot(runs, drops, curves, args.out)
+    plot(runs, drops, curves, dispatch, args.out)
     print(f"\n{time.time() - t0:.0f} s")
     claims.finish(args.out, {
         "runs": {n: {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()
                      if k != "params"} for n, r in runs.items()},
         "dropped_vs_capacity": {"factors": FACTORS, **drops}, "census": cens, "losses": curves,
+        "dropless_dispatch": dispatch,
         "seconds": time.time() - t0})
 
 

@@ -20,6 +20,13 @@ CONFIGS: dict[str, ModelConfig] = {
     # the tiny model with 8 experts (top-2) in every layer: 5.0M parameters, 1.5M active
     "tiny-moe": ModelConfig(vocab_size=320, dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
                             ffn_dim=384, max_seq_len=1024, moe_experts=8, moe_top_k=2),
+    # DeepSeek-MoE style (fine-grained, shared, auxiliary-loss-free), tiny: 16 experts of width
+    # 96 (top-4) beside one shared expert, routed by a bias balanced from the load, dropless
+    "tiny-deepseek-moe": ModelConfig(vocab_size=320, dim=128, n_layers=4, n_heads=8,
+                                     n_kv_heads=4, ffn_dim=384, max_seq_len=1024,
+                                     moe_experts=16, moe_top_k=4, moe_ffn_dim=96,
+                                     moe_shared_experts=1, moe_bias_rate=0.001,
+                                     moe_aux_weight=0.0, moe_dropless=True),
     # 46,702,792,704 parameters, 12,879,925,248 active (2 of 8 experts per token)
     "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, moe_experts=8,

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.axes import constrain
-from jaxscale.fields import nonneg, one_of, positive
+from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.fields import problems as field_problems
 from jaxscale.hooks.attention import IMPLEMENTATIONS, attention
 from jaxscale.hooks.projection import (
@@ -81,6 +81,11 @@ class ModelConfig:
     moe_dropless: bool = False        # no capacity: every token reaches its experts (models/moe.py)
     moe_aux_weight: float = nonneg(0.01)     # Switch load-balancing loss weight
     moe_z_weight: float = nonneg(0.001)      # router z-loss weight
+    moe_ffn_dim: int = nonneg(0)      # each expert's hidden width; 0: ffn_dim (fine-grained: less)
+    moe_shared_experts: int = nonneg(0)      # experts every token passes through (DeepSeek, Qwen)
+    moe_bias_rate: float = ranged(0.0, lo=0, below=1, note="the per-expert routing bias's "
+                                  "step per update; 0: no bias")   # auxiliary-loss-free
+                                      # balancing (DeepSeek-V3): b += rate x sign(mean - load)
     vocab_multiple: int = positive(1)  # embedding and head rows padded to a multiple of this
                                        # (Megatron's make-vocab-size-divisible-by; a plan with
                                        # tensor parallelism raises it to include mesh.tp)
@@ -94,6 +99,11 @@ class ModelConfig:
         """Rows of the embedding and columns of the head: `vocab_size` rounded up to a multiple
         of `vocab_multiple`; the logits of the padding are masked out of the softmax."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def expert_ffn(self) -> int:
+        """The hidden width of each routed (and each shared) expert."""
+        return self.moe_ffn_dim or self.ffn_dim
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is a mixture of experts: every `moe_every`-th layer."""
@@ -130,6 +140,16 @@ class ModelConfig:
             errs.append(f"model.moe_every={self.moe_every} mixes dense and expert layers, but "
                         f"model.scan_layers=true scans one identical layer: set "
                         f"model.scan_layers=false or model.moe_every=1")
+        extras = {"moe_ffn_dim": self.moe_ffn_dim, "moe_shared_experts": self.moe_shared_experts,
+                  "moe_bias_rate": self.moe_bias_rate}
+        for name, v in extras.items():
+            if v and not self.moe_experts:
+                errs.append(f"model.{name}={v} configures a mixture of experts, but "
+                            f"model.moe_experts=0: set model.moe_experts or leave {name} at 0")
+        if self.moe_experts and self.moe_shared_experts > self.moe_experts:
+            errs.append(f"model.moe_shared_experts={self.moe_shared_experts} exceeds "
+                        f"model.moe_experts={self.moe_experts}: shared experts are the few "
+                        f"every token passes through beside its routed ones")
         if self.moe_experts and self.moe_every > self.n_layers:
             errs.append(f"model.moe_every={self.moe_every} > model.n_layers={self.n_layers}: "
                         f"no layer would be a mixture of experts")
@@ -148,7 +168,9 @@ class ModelConfig:
         d, f, hd, E = self.dim, self.ffn_dim, self.hd, self.moe_experts
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         dense = 3 * d * f
-        moe = (self.moe_top_k if active else E) * 3 * d * f + d * E
+        fe, shared = self.expert_ffn, self.moe_shared_experts
+        moe = ((self.moe_top_k if active else E) + shared) * 3 * d * fe + d * E
+        moe += E if self.moe_bias_rate and not active else 0      # the routing bias
         L, Lm = self.n_layers, self.n_moe_layers
         blocks = L * (attn + 2 * d) + (L - Lm) * dense + Lm * moe
         head = 0 if self.tie_embeddings else d * self.vocab_size
@@ -172,7 +194,8 @@ class ModelConfig:
 #: site; a mixture of experts' MLP runs its experts on slot buffers, not through these
 WEIGHT_OF = {"wq": ("attn", "wq"), "wk": ("attn", "wk"), "wv": ("attn", "wv"),
              "wo": ("attn", "wo"), "w_gate": ("mlp", "w_gate"), "w_up": ("mlp", "w_up"),
-             "w_down": ("mlp", "w_down")}
+             "w_down": ("mlp", "w_down"), "shared_gate": ("mlp", "shared_gate"),
+             "shared_up": ("mlp", "shared_up"), "shared_down": ("mlp", "shared_down")}
 
 #: logical axes (x, weight, output) of the weight matmuls: the residual stream (`norm_seq`) in,
 #: the attention/MLP regions (`seq`) out, and back

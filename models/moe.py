@@ -73,21 +73,32 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.axes import constrain, data_mean
 from jaxscale.hooks import experts
+from jaxscale.hooks.projection import project, project_columns
 from jaxscale.models.layers import param
 
 F32 = jnp.float32
+#: logical axes (x, weight, output) of the shared experts' matmuls, as the dense MLP's
+_RESID = ("batch", "norm_seq", "embed")
+_UP_NAMES = (_RESID, ("embed", "mlp"), ("batch", "seq", "mlp"))
+_DOWN_NAMES = (("batch", "seq", "mlp"), ("mlp", "embed"), _RESID)
 #: the statistics one MoE layer returns (each a scalar, but `expert_share` [E])
 STATS = ("aux_loss", "z_loss", "dropped", "routed", "expert_share")
 
 
 # ----------------------------------------------------------------------------- routing
-def route(x_BTD, router_DE, k: int):
+def route(x_BTD, router_DE, k: int, bias_E=None):
     """(logits [B,T,E] fp32, probabilities [B,T,E], top-k weights [B,T,k] summing to 1,
-    top-k expert ids [B,T,k])."""
+    top-k expert ids [B,T,k]). With a routing bias (auxiliary-loss-free balancing) the experts
+    are chosen by probability + bias, and weighted by their probabilities alone."""
     logits = jnp.einsum("btd,de->bte", x_BTD, router_DE.astype(x_BTD.dtype),
                         preferred_element_type=F32)
     probs = jax.nn.softmax(logits, axis=-1)
-    top_p, idx = top_k(probs, k)
+    if bias_E is None:
+        top_p, idx = top_k(probs, k)
+    else:
+        idx = top_k(probs + lax.stop_gradient(bias_E).astype(F32), k)[1]
+        top_p = jnp.sum(jax.nn.one_hot(idx, probs.shape[-1], dtype=F32) * probs[..., None, :],
+                        axis=-1)
     return logits, probs, top_p / jnp.sum(top_p, -1, keepdims=True), idx
 
 
@@ -118,6 +129,32 @@ def balance_loss(probs_BTE, share_E):
     E = probs_BTE.shape[-1]
     mean_p = data_mean(jnp.mean(probs_BTE, axis=(0, 1)))
     return E * jnp.sum(lax.stop_gradient(share_E) * mean_p)
+
+
+#: the load signal's scale: tiny beside any gradient (the global norm and clipping do not see
+#: it), its sign all the update reads
+LOAD_SIGNAL = 1e-8
+
+
+@jax.custom_vjp
+def load_signal(bias_E, share_E):
+    """The routing bias, unchanged; its cotangent is the load imbalance share - mean(share)
+    (times `LOAD_SIGNAL`), whatever the loss: the bias's "gradient" rides the gradient path (its
+    mean over the data shards and micro-batches included), and the optimizer steps it by
+    -rate x sign (`jaxscale.train.state.make_optimizer`): DeepSeek-V3's b += rate x sign(mean -
+    load). The loss must read the output (a zero-weighted term) for the cotangent to flow."""
+    return bias_E
+
+
+def _signal_fwd(bias_E, share_E):
+    return bias_E, share_E
+
+
+def _signal_bwd(share_E, g_E):
+    return ((share_E - jnp.mean(share_E)) * LOAD_SIGNAL).astype(g_E.dtype), jnp.zeros_like(share_E)
+
+
+load_signal.defvjp(_signal_fwd, _signal_bwd)
 
 
 def z_loss(logits_BTE):
@@ -213,14 +250,31 @@ class MoE(nnx.Module):
     """Router + E SwiGLU experts; __call__(x [B,T,D]) -> (y [B,T,D], statistics `STATS`)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, f, E, pd, std = (cfg.dim, cfg.ffn_dim, cfg.moe_experts, jnp.dtype(cfg.param_dtype),
+        d, f, E, pd, std = (cfg.dim, cfg.expert_ffn, cfg.moe_experts, jnp.dtype(cfg.param_dtype),
                             cfg.init_std)
+        down = std / math.sqrt(2 * cfg.n_layers)
         self.router = param(rngs, (d, E), ("embed", None), pd, std)
         self.w_gate = param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
         self.w_up = param(rngs, (E, d, f), ("experts", "embed", "mlp"), pd, std)
-        self.w_down = param(rngs, (E, f, d), ("experts", "mlp", "embed"), pd,
-                             std / math.sqrt(2 * cfg.n_layers))
+        self.w_down = param(rngs, (E, f, d), ("experts", "mlp", "embed"), pd, down)
+        if cfg.moe_bias_rate:
+            self.router_bias = nnx.Param(jnp.zeros((E,), pd), out_sharding=(None,),
+                                         eager_sharding=False)
+        if cfg.moe_shared_experts:       # one SwiGLU as wide as the shared experts together
+            fs = cfg.moe_shared_experts * f
+            self.shared_gate = param(rngs, (d, fs), ("embed", "mlp"), pd, std)
+            self.shared_up = param(rngs, (d, fs), ("embed", "mlp"), pd, std)
+            self.shared_down = param(rngs, (fs, d), ("mlp", "embed"), pd, down)
         self.cfg = cfg
+
+    def shared(self, x_BTD):
+        """The shared experts, a dense SwiGLU every token passes through, by the model's weight
+        matmul sites (`shared_gate`, `shared_up`, `shared_down`: tensor parallelism and its
+        column group apply as to the dense MLP)."""
+        g, u = project_columns("btd,df->btf", x_BTD, (self.shared_gate[...], self.shared_up[...]),
+                               ("shared_gate", "shared_up"), (_UP_NAMES, _UP_NAMES))
+        h = constrain(jax.nn.silu(g) * u, "batch", "seq", "mlp")
+        return project("btf,fd->btd", h, self.shared_down[...], "shared_down", _DOWN_NAMES)
 
     def __call__(self, x_BTD):
         cfg = self.cfg
@@ -228,7 +282,8 @@ class MoE(nnx.Module):
         B, T, _ = x_BTD.shape
         # the router is read whole (gathered like an FSDP weight at use): left to itself GSPMD
         # splits its contraction over tp and all-reduces the logits
-        logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K)
+        bias = self.router_bias[...] if cfg.moe_bias_rate else None
+        logits, probs, w, idx = route(x_BTD, constrain(self.router[...], None, None), K, bias)
         share = data_mean(expert_share(idx, E))
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
         C = None if cfg.moe_dropless else cfg.moe_capacity(T)
@@ -240,7 +295,12 @@ class MoE(nnx.Module):
                                 x_BTD, idx, pos)
             y = experts.from_experts(gather_from_slots, expert_ffn(buf, *weights), idx, pos, w)
             dropped = jnp.sum(pos >= C).astype(F32)
-        stats = {"aux_loss": balance_loss(probs, share), "z_loss": z_loss(logits),
+        if cfg.moe_shared_experts:
+            y = y + self.shared(x_BTD)
+        aux = balance_loss(probs, share)
+        if bias is not None:       # a zero-weighted read: the bias's load signal flows back
+            aux = aux + 0.0 * jnp.sum(load_signal(bias, share))
+        stats = {"aux_loss": aux, "z_loss": z_loss(logits),
                  "dropped": dropped, "routed": jnp.asarray(B * T * K, F32),
                  "expert_share": share}
         return y, stats

@@ -253,8 +253,8 @@ def router_logits(setup, params, monkeypatch) -> list[np.ndarray]:
     forward pass (a host callback on what `moe.route` returns)."""
     seen, route = [], moe.route
 
-    def recording_route(x, router, k):
-        out = route(x, router, k)
+    def recording_route(x, router, k, bias=None):
+        out = route(x, router, k, bias)
         jax.debug.callback(lambda logits: seen.append(np.asarray(logits)), out[0])
         return out
     monkeypatch.setattr(moe, "route", recording_route)

@@ -18,7 +18,8 @@ from typing import Callable
 from jaxscale.hooks import implementation
 
 #: the weight matmuls of a block, then the LM head
-SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")
+SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "shared_gate", "shared_up",
+         "shared_down", "head")
 
 
 def plain(eq: str, x, w, **kw):

@@ -126,6 +126,13 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
     if cfg.moe_every != 1:
         raise ValueError(f"model.moe_every={cfg.moe_every}: Mixtral has a mixture of experts in "
                          f"every layer; only moe_every=1 can be exported")
+    extra = {k: v for k, v in (("moe_shared_experts", cfg.moe_shared_experts),
+                               ("moe_bias_rate", cfg.moe_bias_rate),
+                               ("moe_ffn_dim", cfg.moe_ffn_dim)) if v}
+    if extra:
+        raise ValueError(f"{', '.join(f'model.{k}={v}' for k, v in extra.items())}: Mixtral has "
+                         f"no shared experts, routing bias or separate expert width; export a "
+                         f"model without them")
     for field in ("attention_bias", "mlp_bias"):
         del out[field]
     return {**out, "architectures": [MOE_ARCHITECTURE], "model_type": "mixtral",

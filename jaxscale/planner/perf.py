@@ -89,7 +89,7 @@ def flops(spec) -> Flops:
     if share and actions(spec.remat)["mlp_down"] == "remat":
         # a MoE layer's down projection (and the router's last third) is replayed too: the
         # combine's backward needs every expert output (`jaxscale.strategies.ep`)
-        rec_layer += (2 * m.dim * m.ffn_dim * rows + 2 * m.dim * m.moe_experts / 3) * share
+        rec_layer += (2 * m.dim * m.expert_ffn * rows + 2 * m.dim * m.moe_experts / 3) * share
     if causal_kernel:      # a fused kernel's backward recomputes QK^T: 2.5x its forward
         rec_layer += 0.5 * parts["attention"]
     embed = embedding_gradient(spec, tokens * spec.deg("tp")) * spec.deg("pp")

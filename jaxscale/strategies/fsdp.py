@@ -75,12 +75,14 @@ def collectives(spec) -> list[Comm]:
     layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
     for leaf in leaves(spec.model):
+        if all(a is None or a == "layers" for a in leaf.axes):
+            continue                    # nothing to split (a routing bias): nothing gathered
         size = leaf.run_size(spec, drop=("fsdp",)) * pb
         count_f += int(spec.layers_per_device if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):
             quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
             layer_f += size if quantised is None else quantised[0]
-            if grouped(spec) and leaf.path.startswith("layers/mlp/"):
+            if grouped(spec) and ("experts" in leaf.axes or leaf.use == "router"):
                 continue     # the grouped experts keep their gathered weights and the router
             layer_b += size if quantised is None else quantised[1]
             count_b += int(spec.layers_per_device if leaf.stacked else 1)

@@ -92,7 +92,8 @@ def build(cfg, devices=None, donate: bool | None = None, with_grads: bool = Fals
     model = state_lib.FunctionalModel(dataclasses.replace(     # the plan's (vocabulary padded)
         placement.spec.model, dtype=parts.policy.compute_dtype, param_dtype="float32"),
         parts.layer_order)
-    optimizer, learning_rate = state_lib.make_optimizer(cfg.optim, cfg.train.steps)
+    optimizer, learning_rate = state_lib.make_optimizer(cfg.optim, cfg.train.steps,
+                                                        cfg.model.moe_bias_rate)
     lay = state_lib.layout(model, placement, parts)
     host_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts)
     dev_sh = state_lib.state_shardings(model, optimizer, placement, lay, parts, on_device=True)

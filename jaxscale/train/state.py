@@ -80,9 +80,12 @@ class TrainState:
     quant: Any = None           # fp8 QAT's amax histories ([layers, slots, history]), else None
 
 
-def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Any]:
+def make_optimizer(optim, total_steps: int, bias_rate: float = 0.0
+                   ) -> tuple[optax.GradientTransformation, Any]:
     """The optimizer of `optim` (an `OptimConfig`) and its learning rate, a function of the
-    step: linear warm-up from 0, then cosine decay to `lr x min_lr_ratio`."""
+    step: linear warm-up from 0, then cosine decay to `lr x min_lr_ratio`. A mixture of experts'
+    routing biases (`router_bias`, `model.moe_bias_rate`) take their own step instead: -rate x
+    sign of their load signal (`models/moe.py`'s `load_signal`), no moments, no decay."""
     decay = optim.decay_steps or total_steps
     learning_rate = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=min(optim.warmup_steps, decay),
@@ -95,7 +98,20 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
     else:
         parts.append(optax.adamw(learning_rate, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                                  weight_decay=optim.weight_decay, mask=_decay_mask))
-    return optax.chain(*parts), learning_rate
+    chain = optax.chain(*parts)
+    return (chain if not bias_rate else _bias_steps(chain, bias_rate)), learning_rate
+
+
+def _bias_steps(inner, rate: float) -> optax.GradientTransformationExtraArgs:
+    """`inner`, but the routing biases' updates replaced by -rate x sign(their signal): the
+    state keeps `inner`'s structure (what the strategies' state layouts map over)."""
+    def update(updates, state, params=None, **extra):
+        out, state = inner.update(updates, state, params, **extra)
+        out = jax.tree_util.tree_map_with_path(
+            lambda path, u, g: (-rate * jnp.sign(g)).astype(u.dtype)
+            if getattr(path[-1], "key", None) == "router_bias" else u, out, updates)
+        return out, state
+    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

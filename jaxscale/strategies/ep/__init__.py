@@ -100,7 +100,9 @@ def collectives(spec) -> list[Comm]:
         routed = x.tokens * m.moe_top_k * m.dim * beta
         if e > 1:
             runs = (1 + replay) * L * k
-            out += [Comm("all-to-all", ("ep",), x.ep * x.per_peer * m.dim * beta * n
+            # ragged: the filled rows alone, the routed volume when the load is balanced
+            block = routed if spec.moe_dispatch == "ragged" else x.ep * x.per_peer * m.dim * beta
+            out += [Comm("all-to-all", ("ep",), block * n
                          + x.ep * x.local_experts * 4 * runs, n + runs,
                          f"grouped experts: bounded blocks of {x.per_peer} rows per peer "
                          f"(dispatch and combine, forward and backward: {per_layer} per layer) "
@@ -136,20 +138,28 @@ def _token_axes(spec) -> tuple[str, ...]:
 
 def memory(spec) -> list[Term]:
     """Expert weights follow the rules and the routed activations are in the layer table
-    (`tables.activations.moe_tensors`). Its own: without FSDP (whose gathered layer takes its
-    place) the backward of a scanned MoE layer holds a copy of the layer's expert weights sliced
-    out of the stack, the operand of the batched expert matmuls; dropless without ep on a CPU
-    holds the stacked expert gradient twice (read from XLA:CPU buffer assignments: dp2 x ep4,
-    ep8, dp8 dropless)."""
-    if not spec.moe or not spec.model.scan_layers or gather_axes(spec):
+    (`tables.activations.moe_tensors`). Its own (read from XLA:CPU buffer assignments): the
+    grouped experts gather their weights over fsdp inside their region and keep every MoE
+    layer's gathered copy for the backward; without FSDP the backward of a scanned MoE layer
+    holds a copy of the layer's expert weights sliced out of the stack; `ragged_dot`'s CPU
+    lowering over several local experts holds the stacked expert gradient twice (dp2 x ep4, ep8,
+    dp8, dp2 x fsdp2 x tp2 dropless)."""
+    if not spec.moe or not spec.model.scan_layers:
         return []
-    local = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if "experts" in leaf.axes)
+    experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
+    local = sum(leaf.local_size(spec) for leaf in experts)
+    if gather_axes(spec):
+        if not grouped(spec) or "fsdp" not in gather_axes(spec):
+            return []
+        held = sum(leaf.local_size(spec, drop=("fsdp",)) for leaf in experts)
+        return [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's expert "
+                     "weights as gathered over fsdp, kept for the backward (grouped experts)")]
     out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
                 "one MoE layer's expert weights, sliced out of the stack")]
-    if ragged_dense(spec):
+    if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1:
         out.append(Term("backward", local * spec.wire_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
-                        "ragged_dot's CPU lowering (dp8 dropless)"))
+                        "ragged_dot's CPU lowering over several local experts"))
     return out
 
 

@@ -78,6 +78,7 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
 
     opts = rules.options.get("experts", {})
     factor = float(opts.get("buffer", 2.0))
+    dispatch = opts.get("dispatch", "padded")
     ex = rules.table.get("experts", ())
     seq = tuple(a for a in rules.table.get("norm_seq", ()) if mesh.shape[a] > 1)
     mlp = tuple(a for a in rules.table.get("mlp", ()) if mesh.shape[a] > 1)
@@ -91,6 +92,20 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
     n_ep = _size(mesh, ex)
     E, K = weights[0].shape[0], idx_BTK.shape[-1]
     El = E // n_ep
+
+    def exchange(blocks, send, recv):
+        """[ep, S, D] blocks (block p for peer p, its first `send[p]` rows filled) -> the
+        blocks received ([ep, S, D], block q from peer q, `recv[q]` rows): one all-to-all of
+        the whole buffer, or a ragged one moving the filled rows alone."""
+        if dispatch != "ragged":
+            return lax.all_to_all(blocks, _one(ex), 0, 0, tiled=True)
+        n, S, D = blocks.shape
+        at = jnp.arange(n, dtype=jnp.int32) * S
+        me = jnp.full((n,), lax.axis_index(_one(ex)) * S, jnp.int32)
+        out = lax.ragged_all_to_all(blocks.reshape(n * S, D), jnp.zeros_like(
+            blocks.reshape(n * S, D)), at, send.astype(jnp.int32), me,
+            recv.astype(jnp.int32), axis_name=_one(ex))
+        return out.reshape(n, S, D)
 
     def body(x, idx, w, wg, wu, wd):
         b, t, D = x.shape
@@ -117,11 +132,14 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         j = jnp.arange(S)
         ok = j[None, :] < jnp.minimum(total, S)[:, None]                      # [ep, S]
         assign = order[jnp.minimum(start[:, None] + j[None, :], NK - 1)]      # [ep, S]
-        rows = jnp.where(ok[..., None], x.reshape(b * t, D)[assign // K], 0)
+        x_pad = jnp.concatenate([x.reshape(b * t, D), jnp.zeros((1, D), x.dtype)])
+        rows = x_pad[jnp.where(ok, assign // K, b * t)]         # padding reads the zero row
         overflow = jnp.sum(total - jnp.minimum(total, S))
+        mine = jnp.minimum(total, S)                                           # [ep]
         if ex:
-            rows = lax.all_to_all(rows, _one(ex), 0, 0, tiled=True)   # [ep (source), S, D]
-            sent = lax.all_to_all(sent, _one(ex), 0, 0, tiled=True)   # [ep (source), El]
+            got = lax.all_to_all(sent, _one(ex), 0, 0, tiled=True)    # [ep (source), El]
+            rows = exchange(rows, mine, jnp.sum(got, axis=1))         # [ep (source), S, D]
+            sent = got
         if gather_tp:
             rows = lax.all_gather(rows, _one(gather_tp), axis=0, tiled=True)
             sent = lax.all_gather(sent, _one(gather_tp), axis=0, tiled=True)
@@ -135,7 +153,7 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         if gather_tp:
             back = lax.psum_scatter(back, _one(gather_tp), scatter_dimension=0, tiled=True)
         if ex:
-            back = lax.all_to_all(back, _one(ex), 0, 0, tiled=True)
+            back = exchange(back, jnp.sum(sent, axis=1), mine)
         dest = jnp.where(ok, assign, NK).reshape(-1)
         y = jnp.zeros((NK, D), back.dtype).at[dest].add(back.reshape(-1, D), mode="drop")
         y = jnp.sum(y.reshape(b, t, K, D) * w[..., None].astype(y.dtype), axis=2)

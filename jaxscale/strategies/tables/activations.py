@@ -96,6 +96,8 @@ class Experts:
     k: int
     rows: float
     share: float = 1.0
+    width: float = 1.0        # an expert's hidden width / ffn_dim (fine-grained experts: < 1)
+    shared: float = 0.0       # the shared experts' hidden width / ffn_dim
 
 
 def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "xla",
@@ -119,8 +121,12 @@ def block_tensors(model, seq_len: int, compute_itemsize: int, attention: str = "
 
 
 def mlp_rows(experts: Experts | None) -> float:
-    """MLP rows per token, averaged over the layers (1 for a dense model)."""
-    return 1.0 if experts is None else (1 - experts.share) + experts.share * experts.rows
+    """MLP hidden width per token, in units of a dense layer's ffn_dim, averaged over the layers
+    (1 for a dense model): a MoE layer's `rows` expert rows of the expert width, and the shared
+    experts' width."""
+    if experts is None:
+        return 1.0
+    return (1 - experts.share) + experts.share * (experts.rows * experts.width + experts.shared)
 
 
 def moe_tensors(model, compute_itemsize: int, e: Experts) -> list[Tensor]:
@@ -272,4 +278,5 @@ def experts(spec) -> Experts | None:
     if not spec.moe:
         return None
     m = spec.model
-    return Experts(m.moe_experts, m.moe_top_k, expert_rows(spec), m.n_moe_layers / m.n_layers)
+    return Experts(m.moe_experts, m.moe_top_k, expert_rows(spec), m.n_moe_layers / m.n_layers,
+                   m.expert_ffn / m.ffn_dim, m.moe_shared_experts * m.expert_ffn / m.ffn_dim)

@@ -19,7 +19,9 @@ def layer_flops_per_token(model, seq_len: int, causal_kernel: bool, expert_rows:
                          model.moe_experts)
     attn_core = 4 * seq_len * H * hd * (0.5 if causal_kernel else 1.0)
     share = moe_share if E else 0.0
-    mlp = 6 * d * f * ((1 - share) + share * (expert_rows or model.moe_top_k)) + 2 * d * E * share
+    fe, fs = (model.expert_ffn, model.moe_shared_experts * model.expert_ffn) if E else (f, 0)
+    mlp = (6 * d * f * (1 - share) + 6 * d * share * ((expert_rows or model.moe_top_k) * fe + fs)
+           + 2 * d * E * share)
     return {"q_proj": 2 * d * H * hd, "k_proj": 2 * d * K * hd, "v_proj": 2 * d * K * hd,
             "o_proj": 2 * H * hd * d, "attention": attn_core,
             "mlp_gate": mlp / 3, "mlp_up": mlp / 3, "mlp_down": mlp / 3}

@@ -86,10 +86,18 @@ def leaves(model) -> list[Leaf]:
              ("mlp/w_up", (d, f), ("embed", "mlp"), "dot"),
              ("mlp/w_down", (f, d), ("mlp", "embed"), "dot")]
     E = getattr(model, "moe_experts", 0)
+    fe = model.expert_ffn if E else f
+    fs = getattr(model, "moe_shared_experts", 0) * fe
     experts = [("mlp/router", (d, E), ("embed", None), "router"),
-               ("mlp/w_gate", (E, d, f), ("experts", "embed", "mlp"), "dot"),
-               ("mlp/w_up", (E, d, f), ("experts", "embed", "mlp"), "dot"),
-               ("mlp/w_down", (E, f, d), ("experts", "mlp", "embed"), "dot")]
+               ("mlp/w_gate", (E, d, fe), ("experts", "embed", "mlp"), "dot"),
+               ("mlp/w_up", (E, d, fe), ("experts", "embed", "mlp"), "dot"),
+               ("mlp/w_down", (E, fe, d), ("experts", "mlp", "embed"), "dot")]
+    if E and getattr(model, "moe_bias_rate", 0):
+        experts.append(("mlp/router_bias", (E,), (None,), "router"))
+    if fs:
+        experts += [("mlp/shared_gate", (d, fs), ("embed", "mlp"), "dot"),
+                    ("mlp/shared_up", (d, fs), ("embed", "mlp"), "dot"),
+                    ("mlp/shared_down", (fs, d), ("mlp", "embed"), "dot")]
 
     def layer(i):            # a mixture of experts in every moe_every-th layer (models/moe.py)
         return attn + (experts if E and model.is_moe_layer(i) else dense)
@@ -116,8 +124,9 @@ def active_count(model) -> int:
     """Parameters a token passes through (MoE: top_k of the experts)."""
     if not getattr(model, "moe_experts", 0):
         return count(model)
-    expert = 3 * model.dim * model.ffn_dim * model.n_moe_layers
-    return count(model) - (model.moe_experts - model.moe_top_k) * expert
+    expert = 3 * model.dim * model.expert_ffn * model.n_moe_layers
+    bias = model.moe_experts * model.n_moe_layers if model.moe_bias_rate else 0
+    return count(model) - (model.moe_experts - model.moe_top_k) * expert - bias
 
 
 #: logical axes of stacked copies (each index its own matrix), never contracted

@@ -90,7 +90,7 @@ def collectives(spec) -> list[Comm]:
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
         # a grouped MoE layer's experts read the tokens split (`strategies/ep/grouped.py`):
         # its MLP has none of the dense MLP's gathers and scatters, but the region's own
-        g = moe_layers(spec) * k if grouped_experts(spec) else 0
+        g = moe_layers(spec) * k if grouped_experts(spec) and not m_shared(spec) else 0
         fwd, bwd = fwd - g, bwd - g
         rs = dict(group=t, cpu_kind="all-reduce")
         block = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd),
@@ -168,13 +168,20 @@ def _expert_extra(spec) -> tuple[float, int]:
     the all-reduces beyond its count)."""
     if not spec.moe:
         return 0.0, 0
+    k, Lm, m = max(1, spec.accumulate), moe_layers(spec), spec.model
+    # shared experts: a dense MLP's forward and backward all-reduce beside the experts'
+    shared = 2 * Lm * k if m_shared(spec) and not spec.sequence_parallel else 0
     if grouped_experts(spec):   # the dense MLP's at [b, t, D], with the top-k weights' gradient
-        m = spec.model          # (k fp32 per token) reduced beside the input's
-        return (m.moe_top_k * 4 / (m.dim * spec.compute_itemsize) * moe_layers(spec)
-                * max(1, spec.accumulate)), 0
-    k, Lm, r = max(1, spec.accumulate), moe_layers(spec), expert_rows(spec)
+        if spec.sequence_parallel:    # (k fp32 per token) reduced beside the input's
+            return 0.0, 0
+        return m.moe_top_k * 4 / (m.dim * spec.compute_itemsize) * Lm * k + shared, shared
+    r = expert_rows(spec)
     redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
-    return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k, (1 + redo) * Lm * k
+    return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k + shared, (1 + redo) * Lm * k + shared
+
+
+def m_shared(spec) -> bool:
+    return bool(spec.moe and spec.model.moe_shared_experts)
 
 
 def memory(spec) -> list[Term]:
