@@ -37,7 +37,8 @@ LOGICAL_AXES = ("batch", "seq", "norm_seq", "embed", "heads", "kv_heads", "head_
 SEAMS = {"context": "attention over a sequence split across devices",
          "projection": "weight matmuls",
          "columns": "weight matmuls that read one input (q, k, v; gate, up)",
-         "experts": "mixture-of-experts dispatch"}
+         "experts": "mixture-of-experts dispatch",
+         "grouped": "the experts' grouped matmuls"}
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Rules:
     seams: dict[str, str] = field(default_factory=dict)
     #: a seam's implementation's settings from the plan (`set_seam(..., **options)`)
     options: dict[str, dict] = field(default_factory=dict)
+    #: logical axis -> the mesh axes of its entry that the region being traced runs manual
+    #: (taken out by `without`): where a local array's dimension is a piece of a whole one
+    manual: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def add(self, logical: str, mesh_axes: str | Sequence[str] | None, by: str) -> "Rules":
         if logical not in LOGICAL_AXES:
@@ -102,8 +106,11 @@ class Rules:
         """These rules with `mesh_axes` taken out of every entry (the seams kept): what the
         arrays of a `shard_map` manual over those axes are laid out by on the other axes."""
         gone = set(mesh_axes)
+        manual = {k: self.manual.get(k, ()) + tuple(a for a in v if a in gone)
+                  for k, v in self.table.items()}
         return Rules({k: tuple(a for a in v if a not in gone) for k, v in self.table.items()},
-                     dict(self.owner), dict(self.seams), dict(self.options))
+                     dict(self.owner), dict(self.seams), dict(self.options),
+                     {k: v for k, v in manual.items() if v})
 
 
 _ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(

@@ -73,7 +73,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.axes import constrain, data_mean
 from jaxscale.hooks import experts
-from jaxscale.hooks.projection import project, project_columns
+from jaxscale.hooks.projection import project, project_columns, project_grouped
 from jaxscale.models.layers import param
 
 F32 = jnp.float32
@@ -208,11 +208,10 @@ def expert_ffn(buf_EBCD, w_gate, w_up, w_down):
 def grouped_ffn(xs_RD, sizes_E, w_gate, w_up, w_down):
     """SwiGLU of every expert over rows grouped by expert (`sizes_E` rows each, in expert order;
     rows past their sum give zeros): grouped matmuls, `jax.lax.ragged_dot`. [R, D]."""
-    dt = xs_RD.dtype
-    g = checkpoint_name(lax.ragged_dot(xs_RD, w_gate.astype(dt), sizes_E), "mlp_gate")
-    u = checkpoint_name(lax.ragged_dot(xs_RD, w_up.astype(dt), sizes_E), "mlp_up")
+    g = checkpoint_name(project_grouped(xs_RD, w_gate, sizes_E, "w_gate"), "mlp_gate")
+    u = checkpoint_name(project_grouped(xs_RD, w_up, sizes_E, "w_up"), "mlp_up")
     h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")
-    return checkpoint_name(lax.ragged_dot(h, w_down.astype(dt), sizes_E), "mlp_down")
+    return checkpoint_name(project_grouped(h, w_down, sizes_E, "w_down"), "mlp_down")
 
 
 def kept(idx_BTK, n_experts: int, capacity: int | None):
@@ -287,7 +286,7 @@ class MoE(nnx.Module):
         share = data_mean(expert_share(idx, E))
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
         C = None if cfg.moe_dropless else cfg.moe_capacity(T)
-        if C is None or experts.sequence_split():
+        if C is None or experts.grouped_only():
             y, dropped = experts.grouped(Grouped(), x_BTD, idx, w, weights, C)
         else:
             pos = slot_positions(idx, E)

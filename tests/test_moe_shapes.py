@@ -65,6 +65,21 @@ def test_preset_counts_its_parameters():
         m.param_count() - L * (E + (E - 4) * 3 * d * 96)
 
 
+def test_collective_matmul_with_experts_matches_one_device_and_its_census(
+        deepseek_one_device):
+    """Collective matmul over a mixture (Megatron SP, dp2 x ep2 x tp2): the attention's and the
+    shared experts' matmuls run as rings of permutes, the routed experts in their own region;
+    one device's loss and gradients, and every census row the planner's."""
+    ov = (*base.SPLIT["dp2 x ep2 x tp2 megatron-sp"], *DEEPSEEK,
+          "plan.tp_overlap=collective_matmul")
+    base.assert_close(base.loss_and_grads(base.setup_of(*ov)), deepseek_one_device)
+    cfg = tiny_config(*base.TINY, *ov)
+    cmp = validation.compare(planner.predict(cfg), inspect.report(cfg), backend="cpu")
+    assert any(r["kind"] == "collective-permute" for r in cmp["collectives"])
+    for r in cmp["collectives"]:
+        assert r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.02, r
+
+
 # ----------------------------------------------------------------------------- the exchange
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_bounded_exchange_moves_the_routed_volume_times_its_factor(factor):
@@ -88,6 +103,19 @@ def test_bounded_exchange_moves_the_routed_volume_times_its_factor(factor):
     if factor == 1.0:          # S = 8 rows per peer: no array is [E, b, T, D] or [E/ep, ep b,
         text = build(cfg).lower_train_step().compile().as_text()      # T, D] (T = 16)
         assert not re.search(r"\[(8,1|2,4),16,32\]", text)
+
+
+@pytest.mark.parametrize("overrides", [("plan.zero=2",), ("plan.zero=3", *base.DROPLESS)])
+def test_zero_with_expert_parallelism_census_equals_the_planner(overrides):
+    """ZeRO-2/3 with ep (dp2 x ep4): a layer's non-expert matmul gradients are reduced over
+    (dp, ep) as one group, the head's over dp then ep, the experts' over dp alone: every census
+    row within 2% of the planner's."""
+    cfg = tiny_config(*base.TINY, *EP4, *overrides)
+    cmp = validation.compare(planner.predict(cfg), inspect.report(cfg), backend="cpu")
+    rows = {(r["kind"], tuple(r["axes"])): r["ratio"] for r in cmp["collectives"]}
+    assert ("all-reduce", ("dp", "ep")) in rows and ("all-reduce", ("ep",)) in rows
+    for key, ratio in rows.items():
+        assert ratio is not None and abs(ratio - 1) <= 0.02, (key, ratio)
 
 
 def test_ragged_dispatch_lowers_for_cuda():

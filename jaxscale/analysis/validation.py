@@ -116,6 +116,11 @@ MOE = {
     "fsdp2xep4 acc2": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=1", "mesh.ep=4",
                        "plan.accumulate=2", "data.batch_size=16"),
     "dp2xep4 zero1": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4", "plan.zero=1"),
+    "dp2xep4 zero3 dropless": ("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=1", "mesh.ep=4",
+                               "plan.zero=3", "model.moe_dropless=true"),
+    "fsdp2xep2xtp2 deepseek": ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.ep=2",
+                               "model.moe_ffn_dim=64", "model.moe_shared_experts=1",
+                               "model.moe_bias_rate=0.001", "model.moe_dropless=true"),
 }
 #: pipeline plans (4 layers): every schedule, composed with fsdp, tp, dp + ZeRO, bf16 and remat
 PIPELINE = {

@@ -29,11 +29,12 @@ def experts_split() -> bool:
     return bool(ctx and ctx[1].table.get("experts"))
 
 
-def sequence_split() -> bool:
-    """Whether the rules in force split the tokens of a sequence where the experts read them
-    (the residual stream's `norm_seq`: context parallelism, Megatron sequence parallelism)."""
+def grouped_only() -> bool:
+    """Whether the rules in force run every mixture as grouped experts: the tokens of a
+    sequence split where the experts read them (the residual stream's `norm_seq`: context
+    parallelism, Megatron SP), or the grouped matmuls replaced (the `grouped` seam: 8-bit QAT)."""
     ctx = active()
-    return bool(ctx and ctx[1].table.get("norm_seq"))
+    return bool(ctx and (ctx[1].table.get("norm_seq") or ctx[1].seams.get("grouped")))
 
 
 def to_experts(scatter, x_BTD, idx_BTK, pos_BTK):

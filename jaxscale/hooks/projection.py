@@ -41,6 +41,19 @@ def project(eq: str, x, w, site: str, names: tuple[tuple, tuple, tuple], **kw):
     return y if taps is None else _catch(y, taps["y"][site])
 
 
+def project_grouped(xs_RD, w_EDF, sizes_E, site: str):
+    """`jax.lax.ragged_dot(xs, w, sizes)`: rows grouped by expert (`sizes` each, in expert
+    order) times each expert's weight, a mixture of experts' expert matmul at `site` (w_gate,
+    w_up, w_down); by the implementation the active rules name for the `grouped` seam (8-bit
+    QAT), else the plain grouped matmul in the rows' dtype."""
+    found = implementation("grouped")
+    if found is None:
+        import jax
+        return jax.lax.ragged_dot(xs_RD, w_EDF.astype(xs_RD.dtype), sizes_E)
+    fn, mesh, rules = found
+    return fn(xs_RD, w_EDF, sizes_E, site, mesh, rules)
+
+
 def _project(eq, x, w, site, names, **kw):
     found = implementation("projection")
     if found is None:

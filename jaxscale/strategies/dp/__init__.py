@@ -199,7 +199,9 @@ def collectives(spec) -> list[Comm]:
                     "over the replicas and the sequence shards (the grouped experts' region)")
             continue
         if zero >= 2 and "dp" in rest:
-            group = [a for a in rest if a in ("dp", "fsdp")]
+            # a layer's matmul weights (in the scan) with ep among the replicas: XLA reduces
+            # over ep in the same group (the head, outside it, over ep after)
+            group = [a for a in rest if a in ("dp", "fsdp") or (a == "ep" and leaf.stacked)]
             add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "
                 "(dp nested in fsdp's dimension: one reduction group)")
             rest = [a for a in rest if a not in group]

@@ -38,7 +38,8 @@ import math
 
 import numpy as np
 
-from jaxscale.axes import suspended
+from jaxscale.axes import manual, suspended
+from jaxscale.hooks.projection import SCALES, layer_input, this_layer
 from jaxscale.strategies.tables.activations import bound
 
 
@@ -76,6 +77,8 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
+    from jaxscale.strategies.tp.columns import averaged
+
     opts = rules.options.get("experts", {})
     factor = float(opts.get("buffer", 2.0))
     dispatch = opts.get("dispatch", "padded")
@@ -89,6 +92,7 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
     col, row = rules.spec(("experts", "embed", "mlp")), rules.spec(("experts", "mlp", "embed"))
     token_axes = tuple(a for e in tok for a in ((e,) if isinstance(e, str) else e or ()))
     spread = tuple(a for a in token_axes if a not in (*ex, *embed, *mlp))
+    region = tuple(dict.fromkeys((*token_axes, *ex, *embed, *mlp)))
     n_ep = _size(mesh, ex)
     E, K = weights[0].shape[0], idx_BTK.shape[-1]
     El = E // n_ep
@@ -107,7 +111,7 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
             recv.astype(jnp.int32), axis_name=_one(ex))
         return out.reshape(n, S, D)
 
-    def body(x, idx, w, wg, wu, wd):
+    def body(x, idx, w, wg, wu, wd, sc):
         b, t, D = x.shape
         NK = b * t * K
         if spread:            # varying where the tokens are before fsdp's gather: the
@@ -147,7 +151,9 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         ends = jnp.cumsum(sent, axis=1)                                        # [Q, El]
         local = jnp.sum(j[None, :, None] >= ends[:, None, :], axis=-1)         # [Q, S]
         perm = jnp.argsort(local.reshape(-1), stable=True)     # by expert; padding (El) last
-        with suspended():
+        # the experts' matmul hook sees the rows and weights as pieces over the region's axes
+        # (fp8 QAT's per-tensor amaxes), and the layer's scales averaged back out of it
+        with manual(region), this_layer(SCALES, None if sc is None else averaged(sc, region)):
             ys = parts.ffn(rows.reshape(Q * S, D)[perm], jnp.sum(sent, axis=0), wg, wu, wd)
         back = ys[jnp.argsort(perm)].reshape(Q, S, D)
         if gather_tp:
@@ -164,6 +170,6 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         dropped = (jnp.sum(~keep) + overflow).astype(jnp.float32)
         return y, lax.psum(dropped, token_axes) if token_axes else dropped
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row, P()),
                        out_specs=(tok, P()))
-    return fn(x_BTD, idx_BTK, w_BTK, *weights)
+    return fn(x_BTD, idx_BTK, w_BTK, *weights, layer_input(SCALES))

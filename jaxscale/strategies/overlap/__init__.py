@@ -40,7 +40,6 @@ from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, permutes
 from jaxscale.strategies.remat import actions, parse
 from jaxscale.strategies.tables.activations import stream_bytes
-from jaxscale.strategies.tp import ROW
 
 NAME = "overlap"
 AVAILABLE = True
@@ -114,10 +113,6 @@ def problems(spec) -> list[str]:
         errs.append(f"{opt} replaces the all-gather / reduce-scatter pairs of Megatron sequence "
                     f"parallelism: set plan.sequence_parallel=true (without it the row-parallel "
                     f"outputs are all-reduced, which no ring of sequence chunks replaces)")
-    if spec.moe:
-        errs.append(f"{opt}: a mixture-of-experts MLP runs its expert matmuls on slot buffers, "
-                    f"not through the collective matmul: set model.moe_experts=0 or "
-                    f"plan.tp_overlap=none")
     return errs
 
 
@@ -145,18 +140,23 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
       compute dtype."""
     c, q = spec.compute_itemsize, spec.qat
     replay_o = parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat"
+    # a layer's attention rings, and its MLP's: a MoE layer's experts run in their own region
+    # (`strategies/ep/grouped.py`), its shared experts (if any) as a dense MLP
+    m = spec.model
+    mlp = 1.0 - (m.n_moe_layers / m.n_layers if spec.moe and not m.moe_shared_experts else 0.0)
+    n_in = n_row = INPUT_RINGS / 2 * (1 + mlp)
     if q == "int8":
         gather = 1 + 4 / spec.model.dim
-        out = [("int8 inputs", INPUT_RINGS, gather, 2), ("s32 row outputs", len(ROW), 4, 1),
-               ("dW inputs", INPUT_RINGS, c, 1), ("input gradients", INPUT_RINGS, c, 1),
-               ("row gradients", len(ROW), c, 1)]
+        out = [("int8 inputs", n_in, gather, 2), ("s32 row outputs", n_row, 4, 1),
+               ("dW inputs", n_in, c, 1), ("input gradients", n_in, c, 1),
+               ("row gradients", n_row, c, 1)]
         if parse(spec.remat) != "none":
-            out.append(("int8 inputs replayed", INPUT_RINGS, gather, 2))
+            out.append(("int8 inputs replayed", n_in, gather, 2))
         return out + ([("o replayed", 1, 4, 1)] if replay_o else [])
     e8 = 1 if q == "fp8" else c
-    out = [("inputs", INPUT_RINGS, e8, 1), ("row outputs", len(ROW), c, 1),
-           ("dW inputs", INPUT_RINGS, e8, 1), ("input gradients", INPUT_RINGS, c, 1),
-           ("row gradients", len(ROW), e8, 1)]
+    out = [("inputs", n_in, e8, 1), ("row outputs", n_row, c, 1),
+           ("dW inputs", n_in, e8, 1), ("input gradients", n_in, c, 1),
+           ("row gradients", n_row, e8, 1)]
     return out + ([("o replayed", 1, c, 1)] if replay_o else [])
 
 

@@ -38,11 +38,15 @@ f16 by XLA:CPU, -43%); `fsdp`'s formula models it where the code decides it, und
 matmul (`ring_gathers`: the ring's region gathers the quantised weight), not for GSPMD's own
 choice (docs/quantization.md).
 
+A mixture of experts' expert matmuls run through the same numerics as grouped matmuls
+(`grouped.py`, the rules' `grouped` seam; the plan runs its mixtures as grouped experts), their
+scales per expert stack in the dense MLP's slots.
+
 Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation,
 gradient compression, the sparse embedding exchange, local SGD (inside their data regions the
 rules, and so the projection, stay on: `axes.manual`), collective matmul (its rings carry these
-operands: `jaxscale.strategies.overlap.quantised`) and any precision; not with pipeline stages,
-nor with mixtures of experts (the experts' matmuls do not go through the projection hook).
+operands: `jaxscale.strategies.overlap.quantised`), pipeline stages, mixtures of experts and any
+precision.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ import math
 from jaxscale.hooks import register
 from jaxscale.hooks.projection import plain
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.tables.activations import exchange
 
 NAME = "qat"
 AVAILABLE = True
@@ -77,14 +82,10 @@ def problems(spec) -> list[str]:
         return []
     if spec.qat not in METHODS:
         return [f"plan.qat={spec.qat!r}: valid are none, {', '.join(METHODS)}"]
-    errs, q = [], f"plan.qat={spec.qat}"
+    errs = []
     if spec.fp8_amax_history < 0:
         errs.append(f"plan.fp8_amax_history={spec.fp8_amax_history} must be >= 0 (0: current "
                     f"scaling)")
-    if spec.moe:
-        errs.append(f"{q} quantises the dense block's matmuls; the experts of model.moe_experts="
-                    f"{spec.model.moe_experts} do not go through the projection hook: use a "
-                    f"dense model or plan.qat=none")
     return errs
 
 
@@ -94,6 +95,8 @@ def rules(spec, rules) -> None:
     (`jaxscale.strategies.overlap.quantised`)."""
     if active(spec) and spec.tp_overlap == "none":
         rules.set_seam("projection", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
+    if active(spec) and spec.moe:
+        rules.set_seam("grouped", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
 
 
 def collectives(spec) -> list[Comm]:
@@ -106,9 +109,13 @@ def collectives(spec) -> list[Comm]:
     L, t = spec.model.n_layers, spec.deg("tp")
     n = 2 * L
     tokens = spec.local_batch * spec.local_seq
+    # a MoE layer's w_down reads the grouped experts' rows (`strategies/ep/grouped.py`)
+    Lm = spec.model.n_moe_layers if spec.moe else 0
+    down = (L - Lm) * tokens + Lm * exchange(spec).rows * max(1, spec.accumulate) if Lm else \
+        L * tokens
     weights = _quantised(spec)
     rows = [leaf for leaf in weights if _split_by(spec, leaf, True, "tp")]      # wo, w_down
-    out = [Comm("all-reduce", ("tp",), 4 * tokens * n, n,
+    out = [Comm("all-reduce", ("tp",), 4 * (tokens * L + down), n,
                 "int8 QAT: per-token scales of wo and w_down inputs (max)", group=t),
            Comm("all-reduce", ("tp",), 4 * sum(_channels(spec, x) for x in rows), n,
                 "int8 QAT: per-channel scales of wo and w_down (max)", group=t)]
@@ -249,3 +256,20 @@ def _fp8(eq, x, w, site, names, mesh, rules, **kw):
         if cache is not None:
             cache[group] = (x, x_q)
     return numerics.fp8_matmul(eq, x, w, scales, record_x=site in numerics.RECORDS_INPUT, x_q=x_q)
+
+
+@register("grouped", IMPLEMENTATION["int8"])
+def _int8_grouped(xs, w, sizes, site, mesh, rules):
+    from jaxscale.strategies.qat.grouped import int8_grouped
+    # the down projection contracts `mlp`, split over tp in the experts' region
+    return int8_grouped(xs, w, sizes, rules.manual.get("mlp", ()) if site == "w_down" else ())
+
+
+@register("grouped", IMPLEMENTATION["fp8"])
+def _fp8_grouped(xs, w, sizes, site, mesh, rules):
+    from jaxscale.hooks.projection import layer_input
+    from jaxscale.strategies.qat import numerics
+    from jaxscale.strategies.qat.grouped import fp8_grouped
+    layer = layer_input()
+    scales = None if layer is None else numerics.site_scales(layer, site)
+    return fp8_grouped(xs, w, sizes, scales, record_x=site in numerics.RECORDS_INPUT)

@@ -200,10 +200,11 @@ def stream_bytes(spec) -> float:
 # ----------------------------------------------------------------------------- mixtures of experts
 def grouped(spec) -> bool:
     """The grouped experts (`strategies/ep/grouped.py`): the kept assignments sorted by expert,
-    exchanged over ep in bounded blocks, `jax.lax.ragged_dot` over the rows: dropless, or
-    with a sequence split over devices (context parallelism, Megatron SP). Otherwise the
-    capacity mode's slot buffer."""
-    return bool(spec.moe) and bool(spec.model.moe_dropless or tokens_split(spec))
+    exchanged over ep in bounded blocks, `jax.lax.ragged_dot` over the rows: dropless, with a
+    sequence split over devices (context parallelism, Megatron SP), or with 8-bit QAT (its
+    grouped matmuls). Otherwise the capacity mode's slot buffer."""
+    return bool(spec.moe) and bool(spec.model.moe_dropless or tokens_split(spec)
+                                   or spec.qat != "none")
 
 
 def tokens_split(spec) -> tuple[str, ...]:

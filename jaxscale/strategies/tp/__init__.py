@@ -42,8 +42,8 @@ AVAILABLE = True
 SHARDED = ("heads", "kv_heads", "mlp", "vocab")
 #: the column-parallel sites (gather the residual stream, split the output features) and the
 #: row-parallel ones (contract split features, scatter back to the residual stream)
-COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
-ROW = ("wo", "w_down")
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "shared_gate", "shared_up")
+ROW = ("wo", "w_down", "shared_down")
 _FIELDS = ("n_heads", "n_kv_heads", "ffn_dim")        # the vocabulary is padded (`plan.Spec`)
 
 
@@ -104,8 +104,9 @@ def collectives(spec) -> list[Comm]:
                       "norm outputs into the attention and MLP (2 forward), their output "
                       "gradients and the norm outputs again for the weight gradients (4 backward) "
                       "per layer (a rematerialised forward's gathers take the place of the "
-                      "latter)", group=t)] + _grouped_rows(spec)
+                      "latter)", group=t)]
         rows = [] if spec.tp_overlap != "none" else block   # collective matmul: ring permutes
+        rows += _grouped_rows(spec)
         norms = (2 * L + 1) * spec.model.dim * 4 * k      # fp32 scale gradients
         seq = ("sp", "tp") if spec.deg("sp") > 1 else ("tp",)    # the residual's split
         rows += [Comm("all-reduce", seq, norms, int((2 * L + 1) * k),

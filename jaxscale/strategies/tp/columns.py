@@ -66,7 +66,7 @@ def columns(eq, x, ws, sites, names, mesh, rules):
     scales = layer_input(SCALES)
 
     def body(x_local, sc, *w_local):
-        with manual(axes), this_layer(SCALES, None if sc is None else _averaged(sc, axes)):
+        with manual(axes), this_layer(SCALES, None if sc is None else averaged(sc, axes)):
             if not seq:
                 x_local = x_local[0]
             if seq:          # the sequence gathered over tp on each device's own shard
@@ -81,7 +81,7 @@ def columns(eq, x, ws, sites, names, mesh, rules):
                          axis_names=set(axes), check_vma=False)(x, scales, *ws)
 
 
-def _averaged(value, axes):
+def averaged(value, axes):
     """`value` whose cotangent is divided by the devices of `axes`: a replicated input of a
     region, whose per-device cotangents are equal and are summed when they leave it."""
     import math
