@@ -2,7 +2,7 @@
 matmuls (int8 s8 x s8 -> s32; fp8 e4m3 forward, e5m2 gradients, the expert stack's scales in
 the delayed-scaling slots), equal one device's QAT on expert, tensor and sequence parallel
 layouts, within the 8-bit tolerance of the unquantised model.
-(jaxscale/strategies/qat/grouped.py, jaxscale/hooks/projection.py: project_grouped)"""
+(jaxscale/strategies/qat/ragged.py, jaxscale/hooks/projection.py: project_grouped)"""
 import jax
 import numpy as np
 import pytest

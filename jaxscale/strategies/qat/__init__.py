@@ -39,7 +39,7 @@ matmul (`ring_gathers`: the ring's region gathers the quantised weight), not for
 choice (docs/quantization.md).
 
 A mixture of experts' expert matmuls run through the same numerics as grouped matmuls
-(`grouped.py`, the rules' `grouped` seam; the plan runs its mixtures as grouped experts), their
+(`ragged.py`, the rules' `grouped` seam; the plan runs its mixtures as grouped experts), their
 scales per expert stack in the dense MLP's slots.
 
 Runs with dp, fsdp, zero, tp (with or without Megatron SP), sp, remat, offload, accumulation,
@@ -260,7 +260,7 @@ def _fp8(eq, x, w, site, names, mesh, rules, **kw):
 
 @register("grouped", IMPLEMENTATION["int8"])
 def _int8_grouped(xs, w, sizes, site, mesh, rules):
-    from jaxscale.strategies.qat.grouped import int8_grouped
+    from jaxscale.strategies.qat.ragged import int8_grouped
     # the down projection contracts `mlp`, split over tp in the experts' region
     return int8_grouped(xs, w, sizes, rules.manual.get("mlp", ()) if site == "w_down" else ())
 
@@ -269,7 +269,7 @@ def _int8_grouped(xs, w, sizes, site, mesh, rules):
 def _fp8_grouped(xs, w, sizes, site, mesh, rules):
     from jaxscale.hooks.projection import layer_input
     from jaxscale.strategies.qat import numerics
-    from jaxscale.strategies.qat.grouped import fp8_grouped
+    from jaxscale.strategies.qat.ragged import fp8_grouped
     layer = layer_input()
     scales = None if layer is None else numerics.site_scales(layer, site)
     return fp8_grouped(xs, w, sizes, scales, record_x=site in numerics.RECORDS_INPUT)
