@@ -1,6 +1,6 @@
 """The LLaMA block's building pieces: parameters with logical axes, RMSNorm, the embedding lookup,
-RoPE, and the token loss. Each with its own backward where the default one would keep or move more
-than it needs."""
+RoPE, the token loss and the SwiGLU MLP. Each with its own backward where the default one would
+keep or move more than it needs."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.axes import constrain
+from jaxscale.hooks.projection import project, project_columns
 
 
 def param(rngs: nnx.Rngs, shape, names, dtype, std, init=None):
@@ -128,3 +132,20 @@ def token_loss(logits_BTV, targets_BT, mask_BT):
     ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     mask = mask_BT.astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+#: logical axes (x, weight, output) of a SwiGLU's matmuls: from the residual stream into the MLP
+#: region (`seq`) and back
+RESID = ("batch", "norm_seq", "embed")
+MLP_UP = (RESID, ("embed", "mlp"), ("batch", "seq", "mlp"))
+MLP_DOWN = (("batch", "seq", "mlp"), ("mlp", "embed"), RESID)
+
+
+def swiglu(x_BTD, w_gate, w_up, w_down, sites=("w_gate", "w_up", "w_down")):
+    """silu(x w_gate) * (x w_up) w_down through the model's weight-matmul hooks at `sites` (gate
+    and up as one column group), its activations tagged for the remat policies."""
+
+    g, u = project_columns("btd,df->btf", x_BTD, (w_gate, w_up), sites[:2], (MLP_UP, MLP_UP))
+    g, u = checkpoint_name(g, "mlp_gate"), checkpoint_name(u, "mlp_up")
+    h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
+    return checkpoint_name(project("btf,fd->btd", h_BTF, w_down, sites[2], MLP_DOWN), "mlp_down")

@@ -30,7 +30,15 @@ from jaxscale.hooks.projection import (
     scanned_inputs,
     with_layer_input,
 )
-from jaxscale.models.layers import RMSNorm, apply_rope, embed_lookup, param, rope_frequencies
+from jaxscale.models.layers import (
+    RESID,
+    RMSNorm,
+    apply_rope,
+    embed_lookup,
+    param,
+    rope_frequencies,
+    swiglu,
+)
 from jaxscale.models.moe import MoE, summarise
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -198,14 +206,11 @@ WEIGHT_OF = {"wq": ("attn", "wq"), "wk": ("attn", "wk"), "wv": ("attn", "wv"),
              "shared_up": ("mlp", "shared_up"), "shared_down": ("mlp", "shared_down")}
 
 #: logical axes (x, weight, output) of the weight matmuls: the residual stream (`norm_seq`) in,
-#: the attention/MLP regions (`seq`) out, and back
-_RESID = ("batch", "norm_seq", "embed")
-_QKV_NAMES = {h: (_RESID, ("embed", h, "head_dim"), ("batch", "seq", h, "head_dim"))
+#: the attention/MLP regions (`seq`) out, and back (`layers.RESID`, `MLP_UP`, `MLP_DOWN`)
+_QKV_NAMES = {h: (RESID, ("embed", h, "head_dim"), ("batch", "seq", h, "head_dim"))
               for h in ("heads", "kv_heads")}
-_O_NAMES = (("batch", "seq", "heads", "head_dim"), ("heads", "head_dim", "embed"), _RESID)
-_UP_NAMES = (_RESID, ("embed", "mlp"), ("batch", "seq", "mlp"))
-_DOWN_NAMES = (("batch", "seq", "mlp"), ("mlp", "embed"), _RESID)
-_HEAD_NAMES = (_RESID, ("embed", "vocab"), ("batch", "seq", "vocab"))
+_O_NAMES = (("batch", "seq", "heads", "head_dim"), ("heads", "head_dim", "embed"), RESID)
+_HEAD_NAMES = (RESID, ("embed", "vocab"), ("batch", "seq", "vocab"))
 
 
 class Attention(nnx.Module):
@@ -243,12 +248,7 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BTD):
-        g, u = project_columns("btd,df->btf", x_BTD, (self.w_gate[...], self.w_up[...]),
-                               ("w_gate", "w_up"), (_UP_NAMES, _UP_NAMES))
-        g, u = checkpoint_name(g, "mlp_gate"), checkpoint_name(u, "mlp_up")
-        h_BTF = constrain(checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden"), "batch", "seq", "mlp")
-        return checkpoint_name(project("btf,fd->btd", h_BTF, self.w_down[...], "w_down",
-                                       _DOWN_NAMES), "mlp_down")
+        return swiglu(x_BTD, self.w_gate[...], self.w_up[...], self.w_down[...])
 
 
 class Block(nnx.Module):

@@ -73,14 +73,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.axes import constrain, data_mean
 from jaxscale.hooks import experts
-from jaxscale.hooks.projection import project, project_columns, project_grouped
-from jaxscale.models.layers import param
+from jaxscale.hooks.projection import project_grouped
+from jaxscale.models.layers import param, swiglu
 
 F32 = jnp.float32
-#: logical axes (x, weight, output) of the shared experts' matmuls, as the dense MLP's
-_RESID = ("batch", "norm_seq", "embed")
-_UP_NAMES = (_RESID, ("embed", "mlp"), ("batch", "seq", "mlp"))
-_DOWN_NAMES = (("batch", "seq", "mlp"), ("mlp", "embed"), _RESID)
 #: the statistics one MoE layer returns (each a scalar, but `expert_share` [E])
 STATS = ("aux_loss", "z_loss", "dropped", "routed", "expert_share")
 
@@ -270,10 +266,8 @@ class MoE(nnx.Module):
         """The shared experts, a dense SwiGLU every token passes through, by the model's weight
         matmul sites (`shared_gate`, `shared_up`, `shared_down`: tensor parallelism and its
         column group apply as to the dense MLP)."""
-        g, u = project_columns("btd,df->btf", x_BTD, (self.shared_gate[...], self.shared_up[...]),
-                               ("shared_gate", "shared_up"), (_UP_NAMES, _UP_NAMES))
-        h = constrain(jax.nn.silu(g) * u, "batch", "seq", "mlp")
-        return project("btf,fd->btd", h, self.shared_down[...], "shared_down", _DOWN_NAMES)
+        return swiglu(x_BTD, self.shared_gate[...], self.shared_up[...], self.shared_down[...],
+                      ("shared_gate", "shared_up", "shared_down"))
 
     def __call__(self, x_BTD):
         cfg = self.cfg
