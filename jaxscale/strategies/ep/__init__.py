@@ -148,12 +148,14 @@ def memory(spec) -> list[Term]:
         return []
     experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
     local = sum(leaf.local_size(spec) for leaf in experts)
-    if gather_axes(spec):
-        if not grouped(spec) or "fsdp" not in gather_axes(spec):
+    axes = gather_axes(spec)
+    if axes:
+        if not grouped(spec):
             return []
-        held = sum(leaf.local_size(spec, drop=("fsdp",)) for leaf in experts)
+        held = sum(leaf.local_size(spec, drop=axes) for leaf in experts)
         return [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's expert "
-                     "weights as gathered over fsdp, kept for the backward (grouped experts)")]
+                     f"weights as gathered over {'x'.join(axes)}, kept for the backward "
+                     "(grouped experts)")]
     out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
                 "one MoE layer's expert weights, sliced out of the stack")]
     if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1:
