@@ -23,12 +23,6 @@ from jaxscale.axes import active
 from jaxscale.hooks import implementation
 
 
-def experts_split() -> bool:
-    """Whether the rules in force split the logical `experts` axis (expert parallelism)."""
-    ctx = active()
-    return bool(ctx and ctx[1].table.get("experts"))
-
-
 def grouped_only() -> bool:
     """Whether the rules in force run every mixture as grouped experts: the tokens of a
     sequence split where the experts read them (the residual stream's `norm_seq`: context
