@@ -27,6 +27,12 @@ def entry_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one entry of a PartitionSpec (None, an axis, or a tuple of axes)."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
+
+def mesh_entry(axes: Sequence[str]):
+    """The inverse of `entry_axes`: None, one axis, or the tuple (a PartitionSpec entry, or a
+    collective's axis name)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
 #: Logical axes the models may use. `seq` is the sequence of the attention and MLP regions;
 #: `norm_seq` that of the residual stream and the norms between them (Megatron sequence
 #: parallelism splits it over tp where `seq` stays whole; context parallelism splits both over sp).
@@ -96,7 +102,7 @@ class Rules:
         for n in names:
             axes = tuple(a for a in self.table.get(n, ()) if a not in used) if n else ()
             used.update(axes)
-            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+            out.append(mesh_entry(axes))
         return P(*out)
 
     def as_dict(self) -> dict[str, list[str]]:

@@ -118,11 +118,13 @@ def test_zero_with_expert_parallelism_census_equals_the_planner(overrides):
         assert ratio is not None and abs(ratio - 1) <= 0.02, (key, ratio)
 
 
-def test_ragged_dispatch_lowers_for_cuda():
+@pytest.mark.parametrize("mesh", [EP4, base.SPLIT["dp2 x ep2 x tp2 megatron-sp"]])
+def test_ragged_dispatch_lowers_for_cuda(mesh):
     """plan.moe_dispatch=ragged: the rows travel through `ragged_all_to_all` (XLA:CPU cannot
     run it, so the step is lowered for CUDA here): 2 forward and 2 backward per layer, in the
-    scanned layer's body; the counts still through one all-to-all."""
-    cfg = tiny_config(*base.TINY, *EP4, *base.DROPLESS, "plan.moe_dispatch=ragged",
+    scanned layer's body; the counts still through one all-to-all. Under Megatron SP the
+    received rows are gathered over tp between the two exchanges."""
+    cfg = tiny_config(*base.TINY, *mesh, *base.DROPLESS, "plan.moe_dispatch=ragged",
                       "mesh.device_kind=h100", "plan.check_memory=false")
     setup = build(cfg)
     with jax.set_mesh(setup.placement.mesh):
@@ -130,8 +132,12 @@ def test_ragged_dispatch_lowers_for_cuda():
             lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("ragged_all_to_all") == 4
+    ep = setup.placement.mesh.shape["ep"]        # offsets and sizes: one per peer, both ways
+    sizes = [re.findall(r"tensor<(\d+)xi32>", line.split(" : (")[-1])
+             for line in text.splitlines() if "ragged_all_to_all" in line]
+    assert all(s == [str(ep)] * 4 for s in sizes), sizes
     with pytest.raises(ValueError, match="use plan.moe_dispatch=padded"):
-        plan.validate(tiny_config(*base.TINY, *EP4, "plan.moe_dispatch=ragged"), 8)
+        plan.validate(tiny_config(*base.TINY, *mesh, "plan.moe_dispatch=ragged"), 8)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -38,13 +38,9 @@ import math
 
 import numpy as np
 
-from jaxscale.axes import manual, suspended
+from jaxscale.axes import manual, mesh_entry, suspended
 from jaxscale.hooks.projection import SCALES, layer_input, this_layer
 from jaxscale.strategies.tables.activations import bound
-
-
-def _one(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _size(mesh, axes) -> int:
@@ -58,7 +54,7 @@ def _keep(positions, idx, capacity: int, E: int, seq_axes: tuple, mesh):
     if not seq_axes:
         return positions(idx, E) < capacity
     t = idx.shape[1]
-    whole = lax.all_gather(idx, _one(seq_axes), axis=1, tiled=True)       # [b, T, k] stored
+    whole = lax.all_gather(idx, mesh_entry(seq_axes), axis=1, tiled=True)       # [b, T, k] stored
     T = whole.shape[1]
     perm = np.arange(T)
     if "sp" in seq_axes and mesh.shape["sp"] > 1:
@@ -66,7 +62,7 @@ def _keep(positions, idx, capacity: int, E: int, seq_axes: tuple, mesh):
         perm = layout_permutation(T, mesh.shape["sp"])
     inv = np.argsort(perm)
     pos = positions(whole[:, inv], E)[:, perm]                             # stored order again
-    me = lax.axis_index(_one(seq_axes))
+    me = lax.axis_index(mesh_entry(seq_axes))
     return lax.dynamic_slice_in_dim(pos, me * t, t, axis=1) < capacity
 
 
@@ -79,9 +75,8 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
 
     from jaxscale.strategies.tp.columns import averaged
 
-    opts = rules.options.get("experts", {})
-    factor = float(opts.get("buffer", 2.0))
-    dispatch = opts.get("dispatch", "padded")
+    opts = rules.options["experts"]                  # the plan's (`ep.rules`)
+    factor, dispatch = opts["buffer"], opts["dispatch"]
     ex = rules.table.get("experts", ())
     seq = tuple(a for a in rules.table.get("norm_seq", ()) if mesh.shape[a] > 1)
     mlp = tuple(a for a in rules.table.get("mlp", ()) if mesh.shape[a] > 1)
@@ -102,13 +97,13 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         blocks received ([ep, S, D], block q from peer q, `recv[q]` rows): one all-to-all of
         the whole buffer, or a ragged one moving the filled rows alone."""
         if dispatch != "ragged":
-            return lax.all_to_all(blocks, _one(ex), 0, 0, tiled=True)
+            return lax.all_to_all(blocks, mesh_entry(ex), 0, 0, tiled=True)
         n, S, D = blocks.shape
         at = jnp.arange(n, dtype=jnp.int32) * S
-        me = jnp.full((n,), lax.axis_index(_one(ex)) * S, jnp.int32)
+        me = jnp.full((n,), lax.axis_index(mesh_entry(ex)) * S, jnp.int32)
         out = lax.ragged_all_to_all(blocks.reshape(n * S, D), jnp.zeros_like(
             blocks.reshape(n * S, D)), at, send.astype(jnp.int32), me,
-            recv.astype(jnp.int32), axis_name=_one(ex))
+            recv.astype(jnp.int32), axis_name=mesh_entry(ex))
         return out.reshape(n, S, D)
 
     def body(x, idx, w, wg, wu, wd, sc):
@@ -117,8 +112,8 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         if spread:            # varying where the tokens are before fsdp's gather: the
             wg, wu, wd = (lax.pcast(a, spread, to="varying") for a in (wg, wu, wd))
         if embed:             # gradient is scattered over fsdp first, then summed at its shard
-            wg, wu = (lax.all_gather(a, _one(embed), axis=1, tiled=True) for a in (wg, wu))
-            wd = lax.all_gather(wd, _one(embed), axis=2, tiled=True)
+            wg, wu = (lax.all_gather(a, mesh_entry(embed), axis=1, tiled=True) for a in (wg, wu))
+            wd = lax.all_gather(wd, mesh_entry(embed), axis=2, tiled=True)
         if sum_tp:            # the input's gradient is then summed over tp once, at [b, t, D]
             x = lax.pcast(x, sum_tp, to="varying")
         with suspended():
@@ -132,34 +127,34 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         cum = jnp.cumsum(counts, axis=1)
         sent = jnp.diff(jnp.minimum(cum, S), axis=1, prepend=0)                # [ep, El]
         total = cum[:, -1]
+        mine = jnp.minimum(total, S)                           # [ep] rows sent to each peer
         start = jnp.cumsum(total) - total
         j = jnp.arange(S)
-        ok = j[None, :] < jnp.minimum(total, S)[:, None]                      # [ep, S]
+        ok = j[None, :] < mine[:, None]                                        # [ep, S]
         assign = order[jnp.minimum(start[:, None] + j[None, :], NK - 1)]      # [ep, S]
         x_pad = jnp.concatenate([x.reshape(b * t, D), jnp.zeros((1, D), x.dtype)])
         rows = x_pad[jnp.where(ok, assign // K, b * t)]         # padding reads the zero row
-        overflow = jnp.sum(total - jnp.minimum(total, S))
-        mine = jnp.minimum(total, S)                                           # [ep]
+        got = sent                                   # [ep (source), El] rows each peer sent
         if ex:
-            got = lax.all_to_all(sent, _one(ex), 0, 0, tiled=True)    # [ep (source), El]
+            got = lax.all_to_all(sent, mesh_entry(ex), 0, 0, tiled=True)
             rows = exchange(rows, mine, jnp.sum(got, axis=1))         # [ep (source), S, D]
-            sent = got
+        groups = got
         if gather_tp:
-            rows = lax.all_gather(rows, _one(gather_tp), axis=0, tiled=True)
-            sent = lax.all_gather(sent, _one(gather_tp), axis=0, tiled=True)
+            rows = lax.all_gather(rows, mesh_entry(gather_tp), axis=0, tiled=True)
+            groups = lax.all_gather(got, mesh_entry(gather_tp), axis=0, tiled=True)
         Q = rows.shape[0]
-        ends = jnp.cumsum(sent, axis=1)                                        # [Q, El]
+        ends = jnp.cumsum(groups, axis=1)                                      # [Q, El]
         local = jnp.sum(j[None, :, None] >= ends[:, None, :], axis=-1)         # [Q, S]
         perm = jnp.argsort(local.reshape(-1), stable=True)     # by expert; padding (El) last
         # the experts' matmul hook sees the rows and weights as pieces over the region's axes
         # (fp8 QAT's per-tensor amaxes), and the layer's scales averaged back out of it
         with manual(region), this_layer(SCALES, None if sc is None else averaged(sc, region)):
-            ys = parts.ffn(rows.reshape(Q * S, D)[perm], jnp.sum(sent, axis=0), wg, wu, wd)
+            ys = parts.ffn(rows.reshape(Q * S, D)[perm], jnp.sum(groups, axis=0), wg, wu, wd)
         back = ys[jnp.argsort(perm)].reshape(Q, S, D)
         if gather_tp:
-            back = lax.psum_scatter(back, _one(gather_tp), scatter_dimension=0, tiled=True)
+            back = lax.psum_scatter(back, mesh_entry(gather_tp), scatter_dimension=0, tiled=True)
         if ex:
-            back = exchange(back, jnp.sum(sent, axis=1), mine)
+            back = exchange(back, jnp.sum(got, axis=1), mine)
         dest = jnp.where(ok, assign, NK).reshape(-1)
         y = jnp.zeros((NK, D), back.dtype).at[dest].add(back.reshape(-1, D), mode="drop")
         y = jnp.sum(y.reshape(b, t, K, D) * w[..., None].astype(y.dtype), axis=2)
@@ -167,7 +162,7 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
             y = lax.psum(y, sum_tp)
         if capacity is None and not ex:       # dropless, all local: nothing can be dropped
             return y, jnp.zeros((), jnp.float32)
-        dropped = (jnp.sum(~keep) + overflow).astype(jnp.float32)
+        dropped = (jnp.sum(~keep) + jnp.sum(total - mine)).astype(jnp.float32)
         return y, lax.psum(dropped, token_axes) if token_axes else dropped
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, col, col, row, P()),

@@ -5,11 +5,7 @@ device holding it (and the inverse one brings them back). The expert MLP between
 GSPMD-sharded by the rules (`models/moe.py`'s `expert_ffn`)."""
 from __future__ import annotations
 
-from jaxscale.axes import suspended
-
-
-def _one(axes: tuple):
-    return axes[0] if len(axes) == 1 else axes
+from jaxscale.axes import mesh_entry, suspended
 
 
 def to_experts(mesh, rules, scatter, x_BTD, idx_BTK, pos_BTK):
@@ -22,7 +18,7 @@ def to_experts(mesh, rules, scatter, x_BTD, idx_BTK, pos_BTK):
     def body(x, idx, pos):
         with suspended():
             b = scatter(x, idx, pos)
-        return lax.all_to_all(b, _one(ex), 0, 1, tiled=True) if ex else b
+        return lax.all_to_all(b, mesh_entry(ex), 0, 1, tiled=True) if ex else b
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok), out_specs=buf)(
         x_BTD, idx_BTK, pos_BTK)
 
@@ -35,7 +31,7 @@ def from_experts(mesh, rules, gather, out_EBCD, idx_BTK, pos_BTK, w_BTK):
     tok, buf = rules.spec(("batch", None, None)), rules.spec(("experts", "batch", None, None))
 
     def body(out, idx, pos, w):
-        out = lax.all_to_all(out, _one(ex), 1, 0, tiled=True) if ex else out
+        out = lax.all_to_all(out, mesh_entry(ex), 1, 0, tiled=True) if ex else out
         with suspended():
             return gather(out, idx, pos, w)
     return jax.shard_map(body, mesh=mesh, in_specs=(buf, tok, tok, tok), out_specs=tok)(
