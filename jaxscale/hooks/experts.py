@@ -24,11 +24,10 @@ from jaxscale.hooks import implementation
 
 
 def grouped_only() -> bool:
-    """Whether the rules in force run every mixture as grouped experts: the tokens of a
-    sequence split where the experts read them (the residual stream's `norm_seq`: context
-    parallelism, Megatron SP), or the grouped matmuls replaced (the `grouped` seam: 8-bit QAT)."""
+    """Whether the plan in force runs its mixtures as grouped experts (the choice of
+    `jaxscale.strategies.tables.activations.grouped`, an option of the `experts` seam)."""
     ctx = active()
-    return bool(ctx and (ctx[1].table.get("norm_seq") or ctx[1].seams.get("grouped")))
+    return bool(ctx and ctx[1].options.get("experts", {}).get("grouped"))
 
 
 def to_experts(scatter, x_BTD, idx_BTK, pos_BTK):

@@ -82,8 +82,8 @@ def rules(spec, rules) -> None:
     if spec.deg("ep") > 1:
         rules.add("experts", "ep", by="ep")
     if spec.moe:
-        rules.set_seam("experts", "sharded", by=NAME, buffer=spec.moe_buffer,
-                       dispatch=spec.moe_dispatch)
+        rules.set_seam("experts", "sharded", by=NAME, grouped=grouped(spec),
+                       buffer=spec.moe_buffer, dispatch=spec.moe_dispatch)
 
 
 def collectives(spec) -> list[Comm]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term, permutes
 from jaxscale.strategies.remat import actions
+from jaxscale.strategies.tables.activations import tokens_split
 
 NAME = "sp"
 AVAILABLE = True
@@ -62,11 +63,10 @@ def problems(spec) -> list[str]:
 
 
 def rules(spec, rules) -> None:
-    sp = spec.deg("sp") > 1
-    norm = ("sp",) * sp + ("tp",) * bool(spec.sequence_parallel)
+    norm = tokens_split(spec)        # the residual stream: over sp, then tp (Megatron SP)
     if norm:
         rules.add("norm_seq", norm, by="sp")
-    if sp:
+    if spec.deg("sp") > 1:
         rules.add("seq", "sp", by="sp")
         rules.set_seam("context", spec.context, by=NAME)
 

@@ -208,7 +208,9 @@ def grouped(spec) -> bool:
 
 
 def tokens_split(spec) -> tuple[str, ...]:
-    """The mesh axes splitting a sequence's tokens where the experts read them (`norm_seq`)."""
+    """The mesh axes splitting the residual stream's sequence (the rule for `norm_seq`,
+    `strategies/sp`): sp under context parallelism, then tp under Megatron SP; where a mixture
+    of experts reads its tokens."""
     return (("sp",) * (spec.deg("sp") > 1)
             + ("tp",) * bool(spec.sequence_parallel and spec.deg("tp") > 1))
 
