@@ -89,24 +89,22 @@ def route(x_BTD, router_DE, k: int, bias_E=None):
     logits = jnp.einsum("btd,de->bte", x_BTD, router_DE.astype(x_BTD.dtype),
                         preferred_element_type=F32)
     probs = jax.nn.softmax(logits, axis=-1)
-    if bias_E is None:
-        top_p, idx = top_k(probs, k)
-    else:
-        idx = top_k(probs + lax.stop_gradient(bias_E).astype(F32), k)[1]
-        top_p = jnp.sum(jax.nn.one_hot(idx, probs.shape[-1], dtype=F32) * probs[..., None, :],
-                        axis=-1)
+    scores = probs if bias_E is None else probs + lax.stop_gradient(bias_E).astype(F32)
+    top_p, idx = top_k(scores, k, probs)
     return logits, probs, top_p / jnp.sum(top_p, -1, keepdims=True), idx
 
 
-def top_k(probs_BTE, k: int):
-    """The k largest probabilities and their experts, by k rounds of argmax (the lower index wins
-    a tie, as `lax.top_k`): element-wise and reductions along E only, which GSPMD keeps on each
-    batch shard (its `lax.top_k` partitioning gathers the whole batch)."""
-    vals, idx, p = [], [], probs_BTE
+def top_k(scores_BTE, k: int, values_BTE=None):
+    """The experts of the k largest scores and their values (`values`, default the scores), by
+    k rounds of argmax (the lower index wins a tie, as `lax.top_k`): element-wise and
+    reductions along E only, which GSPMD keeps on each batch shard (its `lax.top_k`
+    partitioning gathers the whole batch)."""
+    values = scores_BTE if values_BTE is None else values_BTE
+    vals, idx, p = [], [], scores_BTE
     for _ in range(k):
         i = jnp.argmax(p, axis=-1)
-        hit = jax.nn.one_hot(i, probs_BTE.shape[-1], dtype=jnp.bool_)
-        vals.append(jnp.sum(jnp.where(hit, probs_BTE, 0.0), axis=-1))
+        hit = jax.nn.one_hot(i, scores_BTE.shape[-1], dtype=jnp.bool_)
+        vals.append(jnp.sum(jnp.where(hit, values, 0.0), axis=-1))
         idx.append(i.astype(jnp.int32))
         p = jnp.where(hit, -jnp.inf, p)
     return jnp.stack(vals, -1), jnp.stack(idx, -1)

@@ -109,10 +109,10 @@ def collectives(spec) -> list[Comm]:
     L, t = spec.model.n_layers, spec.deg("tp")
     n = 2 * L
     tokens = spec.local_batch * spec.local_seq
-    # a MoE layer's w_down reads the grouped experts' rows (`strategies/ep/grouped.py`)
-    Lm = spec.model.n_moe_layers if spec.moe else 0
-    down = (L - Lm) * tokens + Lm * exchange(spec).rows * max(1, spec.accumulate) if Lm else \
-        L * tokens
+    down = L * tokens
+    if spec.moe:        # a MoE layer's w_down reads the grouped experts' rows (ep/grouped.py)
+        Lm = spec.model.n_moe_layers
+        down += Lm * (exchange(spec).rows * max(1, spec.accumulate) - tokens)
     weights = _quantised(spec)
     rows = [leaf for leaf in weights if _split_by(spec, leaf, True, "tp")]      # wo, w_down
     out = [Comm("all-reduce", ("tp",), 4 * (tokens * L + down), n,

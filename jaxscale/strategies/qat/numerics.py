@@ -91,10 +91,12 @@ def _swap(eq: str) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------- int8
-def _int8(t, axes):
-    """Symmetric int8 of t with one fp32 scale per slice over `axes` (kept as size-1 axes)."""
+def _int8(t, axes, over: tuple = ()):
+    """Symmetric int8 of t with one fp32 scale per slice over `axes` (kept as size-1 axes);
+    `over`: mesh axes (manual here) that split those axes, the slice's max taken over them."""
     t32 = t.astype(jnp.float32)
-    s = jnp.max(jnp.abs(t32), axis=axes, keepdims=True) / 127.0
+    s = jnp.max(jnp.abs(t32), axis=axes, keepdims=True)
+    s = (jax.lax.pmax(s, over) if over else s) / 127.0
     return jnp.clip(jnp.round(t32 / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8), s
 
 

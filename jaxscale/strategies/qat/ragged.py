@@ -30,6 +30,7 @@ from jaxscale.strategies.qat.numerics import (
     FP8_MAX,
     _amax,
     _cast,
+    _int8,
     _scale,
     quantize_input,
 )
@@ -51,13 +52,6 @@ def row_groups(sizes, n_rows: int):
 
 
 # ----------------------------------------------------------------------------- int8
-def _int8(t, axis: int, over: tuple):
-    t32 = t.astype(jnp.float32)
-    s = jnp.max(jnp.abs(t32), axis=axis, keepdims=True)
-    s = (lax.pmax(s, over) if over else s) / 127.0
-    return jnp.clip(jnp.round(t32 / jnp.where(s == 0, 1.0, s)), -127, 127).astype(jnp.int8), s
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def int8_grouped(xs, w, sizes, over=()):
     """ragged_dot(xs, w, sizes) through an int8 grouped dot; `over`: mesh axes splitting the
@@ -66,7 +60,7 @@ def int8_grouped(xs, w, sizes, over=()):
 
 
 def _int8_fwd(xs, w, sizes, over):
-    (qx, sx), (qw, sw) = _int8(xs, 1, over), _int8(w, 1, over)
+    (qx, sx), (qw, sw) = _int8(xs, (1,), over), _int8(w, (1,), over)
     acc = lax.ragged_dot(qx, qw, sizes, preferred_element_type=jnp.int32)
     y = acc.astype(jnp.float32) * sx * sw[row_groups(sizes, xs.shape[0]), 0, :]
     return y.astype(xs.dtype), (xs, w, sizes)

@@ -32,9 +32,7 @@ from jaxscale.strategies.tables.activations import (
     stream_bytes,
     tokens_split,
 )
-from jaxscale.strategies.tables.activations import (
-    grouped as grouped_experts,
-)
+from jaxscale.strategies.tables.activations import grouped as grouped_experts
 from jaxscale.strategies.tables.params import outer_runs
 
 NAME = "tp"
@@ -90,7 +88,7 @@ def collectives(spec) -> list[Comm]:
     if spec.sequence_parallel:      # each all-reduce: a reduce-scatter to the sequence shards
         # a grouped MoE layer's experts read the tokens split (`strategies/ep/grouped.py`):
         # its MLP has none of the dense MLP's gathers and scatters, but the region's own
-        g = moe_layers(spec) * k if grouped_experts(spec) and not m_shared(spec) else 0
+        g = moe_layers(spec) * k if grouped_experts(spec) and not _shared_experts(spec) else 0
         fwd, bwd = fwd - g, bwd - g
         rs = dict(group=t, cpu_kind="all-reduce")
         block = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd),
@@ -171,7 +169,7 @@ def _expert_extra(spec) -> tuple[float, int]:
         return 0.0, 0
     k, Lm, m = max(1, spec.accumulate), moe_layers(spec), spec.model
     # shared experts: a dense MLP's forward and backward all-reduce beside the experts'
-    shared = 2 * Lm * k if m_shared(spec) and not spec.sequence_parallel else 0
+    shared = 2 * Lm * k if _shared_experts(spec) and not spec.sequence_parallel else 0
     if grouped_experts(spec):   # the dense MLP's at [b, t, D], with the top-k weights' gradient
         if spec.sequence_parallel:    # (k fp32 per token) reduced beside the input's
             return 0.0, 0
@@ -181,7 +179,8 @@ def _expert_extra(spec) -> tuple[float, int]:
     return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k + shared, (1 + redo) * Lm * k + shared
 
 
-def m_shared(spec) -> bool:
+def _shared_experts(spec) -> bool:
+    """A mixture with shared experts: each MoE layer also runs a dense SwiGLU."""
     return bool(spec.moe and spec.model.moe_shared_experts)
 
 
