@@ -180,7 +180,7 @@ def collectives(spec) -> list[Comm]:
             if inner:
                 add("all-reduce", inner, gathered, reps,
                     "gradients of norm scales and the embedding, over all data axes at once")
-            if seq and not (leaf.use == "norm" and spec.sequence_parallel
+            if seq and not (leaf.use in ("norm", "router") and spec.sequence_parallel
                             and spec.deg("tp") > 1):     # tp.py: reduced over (sp, tp) at once
                 add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
