@@ -90,6 +90,12 @@ class PlanConfig:
     remat: str = "none"               # none | full | save_dots | save_attention_out | offload |
                                       # custom mapping "name:save|remat|offload,..."
     offload: str = "none"             # none | optimizer | master | params, "+"-joined
+    offload_tier: str = one_of("host", "host", "nvme")  # where plan.offload's parts live:
+                                      # host RAM, or files under offload_dir (ZeRO-Infinity)
+    offload_update: str = one_of("device", "device", "host")  # who runs their AdamW: the
+                                      # device, a layer at a time, or the host CPU (ZeRO-Offload)
+    offload_delay: bool = False       # host update: one-step delayed parameter update (DPU)
+    offload_dir: str = ""             # offload_tier=nvme: an existing, writable directory
     zero: int = ranged(0, lo=0, hi=3)  # ZeRO stage over the data-parallel devices
     check_memory: bool = True         # refuse plans the planner predicts will not fit
     context: str = one_of("ring", *CONTEXTS)      # context parallelism over mesh.sp

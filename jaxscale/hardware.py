@@ -13,6 +13,10 @@ Fields the planner adds (defaults keep the older profiles' meaning):
   ~250 of 312 TFLOP/s, on H100 SXM ~740 of 989); the CPU peak is already an upper bound.
 - `host_bytes`: host DRAM per device for offloaded state (a DGX node: 2 TB for 8 GPUs); on `cpu`,
   the machine's physical memory, which the simulated devices share.
+- `disk_bw`: NVMe bandwidth per device for the nvme offload tier (a DGX H100's 8 NVMe drives,
+  ~25 GB/s read together, ~3 GB/s per GPU); `host_update_rate`: parameters per second the host
+  CPU's vectorised AdamW updates per device (ZeRO-Offload's CPU-Adam: ~1e9/s per GPU's share
+  of a node's cores).
 - `devices_per_node`: devices behind one fast interconnect (NVLink domain).
 - `native_16bit`: whether the backend computes and communicates in bf16/fp16. XLA:CPU does not:
   it normalises 16-bit arithmetic to f32 and promotes 16-bit collectives to f32, so activations,
@@ -36,6 +40,8 @@ class Hardware:
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
     host_bw: float = 25e9   # device <-> host (PCIe) bytes/s, for offload
+    disk_bw: float = 3e9    # NVMe <-> host bytes/s per device (the node's drives shared)
+    host_update_rate: float = 1e9   # parameters/s per device the host CPU's AdamW updates
     busbw_intra: float = 0.0
     busbw_inter: float = 0.0
     matmul_efficiency: float = 1.0

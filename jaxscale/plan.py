@@ -59,7 +59,8 @@ from jaxscale.strategies.common import StepParts
 STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
               compression, sparse_embedding, prune, local_sgd, qat)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
-OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "accumulate", "grad_sync",
+OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "offload_tier",
+           "offload_update", "offload_delay", "offload_dir", "accumulate", "grad_sync",
            "donate", "context",
            "sequence_parallel", "tp_overlap", "xla_preset", "schedule", "virtual_stages",
            "stage_layers", "compression", "compression_block", "compression_density",
@@ -84,11 +85,16 @@ class Spec:
     batch: int = 8                      # global batch, sequences
     seq: int = 128
     moments: int = 2                    # optimizer moments per parameter: AdamW 2, SGD 1 or 0
+    optim: object = None                # the OptimConfig (the host-side update reads it)
     precision: str = "fp32"
     loss_scale: str = "auto"
     zero: int = 0
     remat: str = "none"
     offload: str = "none"
+    offload_tier: str = "host"          # host | nvme (strategies/offload/tiers.py)
+    offload_update: str = "device"      # device | host (ZeRO-Offload's host AdamW)
+    offload_delay: bool = False         # the host update one step delayed (DPU)
+    offload_dir: str = ""               # the nvme tier's directory
     accumulate: int = 1                 # micro-batches per step (pipeline: m)
     grad_sync: str = "auto"             # when data-axis gradients are reduced (strategies/dp)
     donate: bool = True
@@ -135,7 +141,7 @@ class Spec:
         return cls(model=model, degrees={a: getattr(mesh, a) for a in MESH_AXES},
                    dcn={a: getattr(mesh, f"dcn_{a}", 1) for a in MESH_AXES},
                    device_kind=mesh.device_kind, batch=cfg.data.batch_size,
-                   seq=cfg.data.seq_len, moments=moments(cfg.optim),
+                   seq=cfg.data.seq_len, moments=moments(cfg.optim), optim=cfg.optim,
                    **{k: getattr(cfg.plan, k) for k in OPTIONS})
 
     def with_(self, **kw) -> "Spec":

@@ -26,7 +26,9 @@ Step time (stated assumptions):
   (1 / (L + 1) of it) and whatever exceeds the compute time; tensor, context and expert
   parallel collectives sit on the critical path (the next matmul needs them);
 - pipeline bubble on top of the ideal time (`jaxscale.strategies.pp.bubble_fraction`);
-- host offload transfers (PCIe) are not overlapped.
+- host offload transfers (PCIe) are not overlapped; the nvme tier's disk reads and writes
+  pipeline with them (the slower of the two), the host update adds the host's AdamW, and its
+  delayed form hides link and AdamW behind the next step's compute (`offload.tiers.seconds`).
 MFU = model FLOPs / (step time x the dense peak of the plan's compute dtype): `hardware.mfu`, the
 one definition the train loop and inspect use too. The result is a roofline-style bound that ranks
 plans; measured MFU lands below it.
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from jaxscale import hardware
 from jaxscale.cost import alpha_beta, ring_steps
 from jaxscale.strategies.common import Comm
+from jaxscale.strategies.offload import tiers
 from jaxscale.strategies.pp import bubble_fraction, stages
 from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
@@ -166,6 +169,8 @@ def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
     for what, nbytes in memory.host.items():
         host += nbytes * (2 * k if what in ("params", "activations") else 2)
     offload = host / hw.host_bw
+    if tiers.driven(spec):          # nvme / host update: link, disk, host AdamW (tiers.py)
+        offload = tiers.seconds(spec, compute)["exposed"]
     total = compute + critical + exposed + bubble + offload
     mfu = hardware.mfu(fl.model_per_device * spec.n_devices, total, spec.device_kind,
                        compute_dtype(spec), spec.n_devices)

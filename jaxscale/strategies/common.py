@@ -111,7 +111,8 @@ PARTS = {
                   "the mesh specs of `TrainState.comm`",
     "update": "offload: (ctx) -> the optimizer update (streamed through the device)",
     "after_update": "prune: (ctx) -> fn(updated target, updates done) -> target",
-    "train_step": "local_sgd: (ctx) -> the whole train step",
+    "train_step": "local_sgd, offload: (ctx) -> the whole train step (jitted by the caller, "
+                  "unless it is marked `host_driven`: offload's nvme tier and host update)",
 }
 
 

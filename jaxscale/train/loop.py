@@ -197,6 +197,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
         ckpt, state, meta, notes = ckpt_lib.restore_latest(ckdir, cfg.ckpt, cfg,
                                                            setup.abstract_state(), order)
         start = meta["step"]
+        state = setup.adopt(state)
         _say(f"jaxscale train: resumed from {ckdir / str(start)} (step {start}, data position "
              f"{meta['data_position']})")
         for n in notes:
@@ -236,7 +237,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     def save(step_no: int) -> None:
         if step_no not in saved:
             # the true vocabulary, the model's layer order
-            kept = disk.to_disk(state, cfg.model.vocab_size, order)
+            kept = disk.to_disk(setup.full_state(state), cfg.model.vocab_size, order)
             ckpt.save(step_no, kept, ckpt_meta.make_meta(cfg, kept, step_no, row))
             saved.add(step_no)
 

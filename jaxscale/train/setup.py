@@ -55,8 +55,19 @@ class Setup:
         return self.parts.policy
 
     def init_state(self) -> state_lib.TrainState:
-        return state_lib.init_state(self.model, self.optimizer, self.parts, self.state_shardings,
-                                    self.placement, self.layout, self.cfg.train.seed)
+        return self.adopt(state_lib.init_state(self.model, self.optimizer, self.parts,
+                                               self.state_shardings, self.placement, self.layout,
+                                               self.cfg.train.seed))
+
+    def adopt(self, state: state_lib.TrainState) -> state_lib.TrainState:
+        """A whole train state as the step takes it (a host-driven step keeps parts of it in
+        its own store: `train_step.adopt`); the state itself otherwise."""
+        return self.train_step.adopt(state) if hasattr(self.train_step, "adopt") else state
+
+    def full_state(self, state) -> state_lib.TrainState:
+        """The whole train state of what the step carries (what a checkpoint saves)."""
+        return (self.train_step.full_state(state) if hasattr(self.train_step, "full_state")
+                else state)
 
     def abstract_state(self) -> state_lib.TrainState:
         return state_lib.abstract_state(self.model, self.optimizer, self.parts,

@@ -216,6 +216,8 @@ def jit_train_step(step_fn, state_sh: TrainState, placement, parts: StepParts,
     The metrics come back replicated, but for `with_grads`' gradients, which stay where the
     update read them (gathering them would add collectives the plan does not have)."""
     extra = () if teacher_sh is None else (teacher_sh,)
+    if getattr(step_fn, "host_driven", False):       # a step driven from the host, jits its parts
+        return step_fn
     return jax.jit(step_fn,
                    in_shardings=(state_sh, batch_shardings(placement, parts, packed)) + extra,
                    out_shardings=(state_sh, None if with_grads else placement.replicated()),

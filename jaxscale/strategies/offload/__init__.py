@@ -21,12 +21,17 @@ each step moves every offloaded byte to the device and back, 2 x offloaded bytes
 per GPU, vs ~4 TB/s HBM); the layer loop overlaps one layer's copies with the next layer's compute
 only partly (a layer is fetched after the previous one is written), so the planner's step-time model
 charges the traffic unhidden. Collectives: none added. Activation offload goes through the remat
-policy (`plan.remat=offload`), not here.
+policy (`plan.remat=offload`), not here. `plan.offload_tier=nvme` (files, ZeRO-Infinity) and
+`plan.offload_update=host` (the host CPU's AdamW, ZeRO-Offload, optionally one step delayed) are
+`tiers.py`, driven from the host by `driver.py`.
 """
 from __future__ import annotations
 
+import functools
+
 from jaxscale.strategies import local_sgd, precision, zero
 from jaxscale.strategies.common import Term, problems_of
+from jaxscale.strategies.offload import tiers
 from jaxscale.strategies.tables.params import leaves
 
 NAME = "offload"
@@ -59,7 +64,12 @@ def problems(spec) -> list[str]:
     if "master" in parse(spec.offload) and not spec.mixed:
         return [f"plan.offload includes 'master' but plan.precision={spec.precision} keeps no "
                 f"separate fp32 master weights; offload 'params' or 'optimizer', or use bf16/fp16"]
-    return []
+    return tiers.problems(spec)
+
+
+def runnable(spec) -> list[str]:
+    """The host-driven tiers' limits (`tiers.runnable`)."""
+    return tiers.runnable(spec) if active(spec) else []
 
 
 def rules(spec, rules) -> None:
@@ -132,6 +142,13 @@ def shape_step(spec, parts) -> None:
     if active(spec):
         parts.set("memory_kinds", {part: HOST for part in parse(spec.offload)}, by=NAME)
         parts.set("update", _streamed, by=NAME)
+        if tiers.driven(spec):          # the nvme tier, the host update: driven from the host
+            parts.set("train_step", functools.partial(_driven, spec), by=NAME)
+
+
+def _driven(spec, ctx):
+    from jaxscale.strategies.offload.driver import Step
+    return Step(ctx, spec, spec.optim)
 
 
 def _streamed(ctx):
