@@ -44,7 +44,8 @@ SEAMS = {"context": "attention over a sequence split across devices",
          "projection": "weight matmuls",
          "columns": "weight matmuls that read one input (q, k, v; gate, up)",
          "experts": "mixture-of-experts dispatch",
-         "grouped": "the experts' grouped matmuls"}
+         "grouped": "the experts' grouped matmuls",
+         "gather": "how a weight matmul's sharded weight is gathered and its gradient reduced"}
 
 
 @dataclass

@@ -130,6 +130,12 @@ class PlanConfig:
                                       # ragged (jax.lax.ragged_all_to_all; GPU) (strategies/ep)
     moe_buffer: float = ranged(2.0, above=0, note="rows sent per peer, in units of the "
                                "balanced share: f x tokens x top_k / ep")  # the bound's factor f
+    zeropp: str = "none"              # ZeRO++ on ZeRO-3/FSDP: none | all | qwz, hpz, qgz
+                                      # '+'-joined (quantised weight gathers, hierarchical
+                                      # secondary partition, quantised gradient reduce-scatter)
+    zeropp_block: int = positive(256)  # elements per fp32 scale of qwZ's and qgZ's blocks
+    qgz_bits: int = one_of(4, 4, 8)   # qgZ: gradients quantised to int4 or int8
+    fp8_param_gather: bool = False    # plan.qat=fp8: weights all-gathered in e4m3 with scales
 
 
 @dataclass(frozen=True)

@@ -51,13 +51,14 @@ from jaxscale.strategies import (
     sparse_embedding,
     tp,
     zero,
+    zeropp,
 )
 from jaxscale.strategies.common import StepParts
 
 #: every strategy, in the order their problems, rules, collectives, memory terms and step parts
 #: compose
-STRATEGIES = (dp, fsdp, zero, tp, sp, overlap, ep, pp, precision, accumulate, remat, offload,
-              compression, sparse_embedding, prune, local_sgd, qat)
+STRATEGIES = (dp, fsdp, zero, zeropp, tp, sp, overlap, ep, pp, precision, accumulate, remat,
+              offload, compression, sparse_embedding, prune, local_sgd, qat)
 #: the `plan.*` options a `Spec` carries (each is a `PlanConfig` field of the same name)
 OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "offload_tier",
            "offload_update", "offload_delay", "offload_dir", "accumulate", "grad_sync",
@@ -67,7 +68,8 @@ OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "offload_tier"
            "compression_threshold", "compression_rank", "prune",
            "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
            "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history",
-           "moe_dispatch", "moe_buffer")
+           "moe_dispatch", "moe_buffer", "zeropp", "zeropp_block", "qgz_bits",
+           "fp8_param_gather")
 
 
 def moments(optim) -> int:
@@ -124,6 +126,10 @@ class Spec:
     fp8_amax_history: int = 16          # fp8 delayed scaling's history; 0: current scaling
     moe_dispatch: str = "padded"        # grouped experts' exchange over ep (strategies/ep)
     moe_buffer: float = 2.0             # its bound: f x the balanced share of rows per peer
+    zeropp: str = "none"                # ZeRO++ parts: qwz, hpz, qgz '+'-joined (strategies/zeropp)
+    zeropp_block: int = 256             # elements per quantisation scale (qwZ, qgZ)
+    qgz_bits: int = 4                   # qgZ's gradient bits: 4 or 8
+    fp8_param_gather: bool = False      # fp8 QAT: weights gathered in e4m3
 
     # ------------------------------------------------------------------ construction
     @classmethod

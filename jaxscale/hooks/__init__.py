@@ -10,6 +10,9 @@ The model calls three hooks, each with a plain default and nothing of any strate
 - `projection.project_columns`: the matmuls that read one input (q, k, v; gate, up), each still
   through `project`; by the implementation registered under the rules' `columns` seam (tensor
   parallelism's: the group in one region, so its input gradient is reduced once);
+- `projection.project` also passes every weight through the rules' `gather` seam first, when
+  one is named: how the weight arrives whole for its matmul and how its gradient leaves
+  (ZeRO++'s quantised and hierarchical gathers and quantised reduction);
 - `projection.project_grouped`: the experts' grouped matmuls (rows sorted by expert); by the
   implementation registered under the rules' `grouped` seam (8-bit QAT);
 - `experts.to_experts` / `from_experts` / `grouped`: a mixture of experts' dispatch of
@@ -29,7 +32,7 @@ from jaxscale.axes import active
 
 #: seam -> name -> implementation
 SEAMS: dict[str, dict[str, Callable]] = {"context": {}, "projection": {}, "columns": {},
-                                          "experts": {}, "grouped": {}}
+                                          "experts": {}, "grouped": {}, "gather": {}}
 
 
 def register(seam: str, name: str):

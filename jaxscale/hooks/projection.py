@@ -55,6 +55,16 @@ def project_grouped(xs_RD, w_EDF, sizes_E, site: str):
 
 
 def _project(eq, x, w, site, names, **kw):
+    found = implementation("gather")
+    if found is None:
+        return compute(eq, x, w, site, names, **kw)
+    fn, mesh, rules = found
+    return fn(eq, x, w, site, names, mesh, rules, **kw)
+
+
+def compute(eq, x, w, site, names, **kw):
+    """The matmul of a weight as it arrives (after the `gather` seam): the implementation the
+    active rules name for the `projection` seam, else `plain`."""
     found = implementation("projection")
     if found is None:
         return plain(eq, x, w, **kw)
@@ -243,6 +253,19 @@ def this_layer(name: str, value):
     here = _LAYER_INPUT.get()
     mine, cache = here if here is not None else ({}, {})
     token = _LAYER_INPUT.set(({**mine, name: value}, cache))
+    try:
+        yield
+    finally:
+        _LAYER_INPUT.reset(token)
+
+
+@contextlib.contextmanager
+def own_layer(scales):
+    """While tracing inside the block: this layer's `SCALES` input replaced by `scales` and a
+    fresh `layer_cache()`, for a matmul traced inside its own function (a custom VJP's forward
+    or backward), whose values must not leak into the layer's shared cache."""
+    here = _LAYER_INPUT.get()
+    token = _LAYER_INPUT.set(({**(here[0] if here else {}), SCALES: scales}, {}))
     try:
         yield
     finally:

@@ -8,7 +8,8 @@ N devices in the ZeRO group): mixed-precision Adam keeps 2 Psi (16-bit parameter
 (16-bit gradients) + 12 Psi (fp32 master weights, m and v) = 16 Psi bytes; fp32 training
 4 + 4 + 8 = 16 Psi. Per device: DP 16 Psi; ZeRO-1 4 Psi + 12 Psi / N; ZeRO-2 2 Psi + 14 Psi / N;
 ZeRO-3 16 Psi / N (`model_states`, exact for the paper's 7.5B / N = 64 example: 120, 31.4, 16.6,
-1.9 GB). Offloaded parts move to host memory (`offload.memory`).
+1.9 GB). Offloaded parts move to host memory, or to disk under the nvme tier with only its
+streamed pieces in host memory (`offload.memory`).
 
 Activations (`remat.memory`, `pp.memory`): `tables/activations.py` per layer x layers per pipeline
 stage x micro-batches in flight.
@@ -36,8 +37,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from jaxscale import plan as plan_lib
-from jaxscale.strategies import fsdp, pp, remat, zero
+from jaxscale.strategies import pp, remat, zero
 from jaxscale.strategies.common import Term
+from jaxscale.strategies.offload import tiers
 from jaxscale.strategies.zero import STAGE_OF
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
@@ -64,6 +66,7 @@ class Memory:
     temporaries: float
     batch: float
     host: dict = field(default_factory=dict)      # what lives in host memory, bytes per device
+    disk: dict = field(default_factory=dict)      # what lives on disk (nvme tier), per device
     xla: dict = field(default_factory=dict)       # argument / output / temp / alias
     layer: dict = field(default_factory=dict)     # per-layer activation tensors (bytes)
     phases: dict = field(default_factory=dict)    # temp of the backward and of the update
@@ -78,6 +81,10 @@ class Memory:
     def host_total(self) -> float:
         return sum(self.host.values())
 
+    @property
+    def disk_total(self) -> float:
+        return sum(self.disk.values())
+
     def rows(self) -> dict[str, float]:
         return {r: getattr(self, r) for r in ROWS}
 
@@ -86,6 +93,7 @@ class Memory:
         d["terms"] = [t.as_dict() for t in self.terms]
         d["total"] = self.total
         d["host_total"] = self.host_total
+        d["disk_total"] = self.disk_total
         return d
 
 
@@ -95,13 +103,13 @@ def model_terms(spec, full) -> list[Term]:
     sh = zero.shards(spec)
     # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
     # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
-    grads = (sh.grads if fsdp.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
+    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
     tokens = spec.micro_batch * spec.local_seq
     logits = 2 * tokens * spec.model.padded_vocab / spec.deg("tp") * 4
     # kept whole over dp until the update (no layer-by-layer reduction, no ZeRO-2 scatter), the
     # stack is placed around the backward's short-lived buffers: XLA:CPU's heap leaves about half
     # a gradient buffer unused then (compiled temp against the live-set peak, `docs/planner.md`)
-    whole = not fsdp.gather_axes(spec) and zero.stage(spec) < STAGE_OF["grads"]
+    whole = not zero.gather_axes(spec) and zero.stage(spec) < STAGE_OF["grads"]
     packing = [Term("backward", grads / 2, "heap packing around the whole gradient stack")]
     return (packing if whole else []) + [
         Term("backward", grads, "local gradient buffer"),
@@ -128,9 +136,11 @@ def estimate(spec) -> Memory:
     row = {r: sum(t.bytes for t in terms if t.row == r) for r in
            ("params", "master", "grads", "optimizer", "activations", "backward", "update")}
     host: dict[str, float] = {}
+    disk: dict[str, float] = {}
     for t in terms:
-        if t.row == "host":
-            host[t.part] = host.get(t.part, 0.0) + t.bytes
+        if t.row in ("host", "disk"):
+            where = host if t.row == "host" else disk
+            where[t.part] = where.get(t.part, 0.0) + t.bytes
     acts = row["activations"]
     batch = spec.local_batch * spec.seq * 12     # inputs, targets (int32), mask (f32): whole
                                                  # along the sequence (sp.batch_seq_axis)
@@ -140,7 +150,9 @@ def estimate(spec) -> Memory:
     temp = max(backward, update)
     temporaries = temp - row["grads"] - acts
     state = row["params"] + row["master"] + row["optimizer"] + counters
-    host_state = sum(v for k, v in host.items() if k != "activations")
+    # the host-driven offload tiers keep their store outside the compiled program
+    host_state = 0.0 if tiers.driven(spec) else sum(v for k, v in host.items()
+                                                    if k != "activations")
     xla = {"argument": state + batch, "output": state + 5 * 4,
            "temp": temp, "alias": state if spec.donate else 0.0,
            "host_argument": host_state, "host_output": host_state}
@@ -149,6 +161,6 @@ def estimate(spec) -> Memory:
         temporaries += state
     return Memory(params=row["params"], master=row["master"], grads=row["grads"],
                   optimizer=row["optimizer"], activations=acts, temporaries=temporaries,
-                  batch=batch + counters, host=host, xla=xla,
+                  batch=batch + counters, host=host, disk=disk, xla=xla,
                   layer=dict(full.tensors), in_flight=pp.in_flight(spec),
                   phases={"backward": backward, "update": update}, terms=terms)

@@ -21,21 +21,14 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.strategies import dp, qat, zero
+from jaxscale.strategies import dp, qat, zero, zeropp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import leaves, outer_runs
+from jaxscale.strategies.zero import gather_axes
 
 NAME = "fsdp"
 AVAILABLE = True
-
-
-def gather_axes(spec) -> tuple[str, ...]:
-    """Mesh axes the parameters are gathered over: fsdp, and dp under ZeRO-3."""
-    names = ["fsdp"] if spec.deg("fsdp") > 1 else []
-    if spec.zero >= 3 and spec.deg("dp") > 1:
-        names.insert(0, "dp")
-    return tuple(names)
 
 
 def active(spec) -> bool:
@@ -74,9 +67,10 @@ def collectives(spec) -> list[Comm]:
         return outer_runs(spec, leaf) if pipelined else 1
     layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
+    own = {leaf.path for leaf in zeropp.sites(spec)} if zeropp.active(spec) else set()
     for leaf in leaves(spec.model):
-        if all(a is None or a == "layers" for a in leaf.axes):
-            continue                    # nothing to split (a routing bias): nothing gathered
+        if all(a is None or a == "layers" for a in leaf.axes) or leaf.path in own:
+            continue        # nothing to split (a routing bias), or ZeRO++ gathers it (zeropp/)
         size = leaf.run_size(spec, drop=("fsdp",)) * pb
         count_f += int(spec.layers_per_device if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):

@@ -41,6 +41,14 @@ AXIS = "dp"
 STAGE_OF = {"optimizer": 1, "master": 1, "grads": 2, "params": 3}
 
 
+def gather_axes(spec) -> tuple[str, ...]:
+    """Mesh axes the parameters are gathered over for compute: fsdp, and dp under ZeRO-3."""
+    names = ["fsdp"] if spec.deg("fsdp") > 1 else []
+    if spec.zero >= 3 and spec.deg("dp") > 1:
+        names.insert(0, "dp")
+    return tuple(names)
+
+
 def stage(spec) -> int:
     """The stage in force: ZeRO needs dp > 1 (fsdp already shards everything)."""
     return spec.zero if spec.deg(AXIS) > 1 else 0

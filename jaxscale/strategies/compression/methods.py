@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.strategies.codecs import CAST, decode, encode
 from jaxscale.strategies.compression import powersgd
 from jaxscale.strategies.compression.formulas import (
     _check_block,
@@ -66,8 +67,6 @@ from jaxscale.strategies.compression.formulas import (
 )
 
 Axes = str | Sequence[str]
-CAST = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-FP8_MAX, INT8_MAX = 448.0, 127.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,44 +100,6 @@ def ravel(tree) -> tuple[jax.Array, Any]:
 
 def invariant_all_gather(x, axes, **kw):
     return jax.lax.all_gather(x, axes, tiled=True, to="invarying", **kw)
-
-
-# ---------------------------------------------------------------------------------------------
-# codecs: encode [..., nb, B] fp32 -> (payload [..., nb, bytes per block], scales [..., nb] | None)
-# ---------------------------------------------------------------------------------------------
-def encode(method: str, x):
-    if method == "bf16":
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    if method == "int8":
-        scale = amax / INT8_MAX
-        safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-        return jnp.clip(jnp.round(x / safe), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
-    if method == "fp8":
-        scale = amax / FP8_MAX
-        safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-        q = jnp.clip(x / safe, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-        return jax.lax.bitcast_convert_type(q, jnp.uint8), scale
-    if method == "sign":
-        scale = jnp.mean(jnp.abs(x), axis=-1)
-        bits = (x >= 0).astype(jnp.uint8).reshape(x.shape[:-1] + (x.shape[-1] // 8, 8))
-        return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8), scale
-    raise ValueError(f"no codec for method {method!r}")
-
-
-def decode(method: str, payload, scale):
-    if method == "bf16":
-        return jax.lax.bitcast_convert_type(payload, jnp.bfloat16).astype(jnp.float32)
-    if method == "int8":
-        return payload.astype(jnp.float32) * scale[..., None]
-    if method == "fp8":
-        q = jax.lax.bitcast_convert_type(payload, jnp.float8_e4m3fn)
-        return q.astype(jnp.float32) * scale[..., None]
-    if method == "sign":
-        bits = (payload[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
-        bits = bits.reshape(payload.shape[:-1] + (payload.shape[-1] * 8,))
-        return (2.0 * bits.astype(jnp.float32) - 1.0) * scale[..., None]
-    raise ValueError(f"no codec for method {method!r}")
 
 
 def _two_stage(method, flat, axes, n, block, server=None):

@@ -144,6 +144,9 @@ def collectives(spec) -> list[Comm]:
         once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.layers_per_device
+    from jaxscale.strategies.zero import gather_axes
+    from jaxscale.strategies.zeropp import reduced
+    quantised = reduced(spec)
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     what: dict[tuple, list] = defaultdict(list)
 
@@ -185,6 +188,12 @@ def collectives(spec) -> list[Comm]:
                 add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
         rest, size = list(inner), gathered
+        if leaf.path in quantised:      # qgZ scatters over the gather axes (zeropp/), then
+            rest = [a for a in rest if a not in gather_axes(spec)] + ["sp"] * seq  # sums
+            if rest:
+                add("all-reduce", rest, size / _group(spec, gather_axes(spec)), reps, "matmul "
+                    "weight gradients over the other replicas, after qgZ's reduce-scatter")
+            continue
         if "experts" in leaf.axes and grouped(spec):
             # the grouped experts' region (`strategies/ep/grouped.py`) gathers the expert
             # weights over fsdp inside: its transpose scatters them back there, then the region

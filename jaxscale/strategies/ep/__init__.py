@@ -42,7 +42,6 @@ from jaxscale.strategies import remat
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.ep import grouped as grouped_lib
 from jaxscale.strategies.ep import slots
-from jaxscale.strategies.fsdp import gather_axes
 from jaxscale.strategies.tables.activations import (
     exchange,
     expert_rows,
@@ -52,6 +51,7 @@ from jaxscale.strategies.tables.activations import (
     tokens_split,
 )
 from jaxscale.strategies.tables.params import leaves
+from jaxscale.strategies.zero import gather_axes
 
 NAME = "ep"
 AVAILABLE = True
