@@ -1,10 +1,10 @@
 """The composition table: every pair of the plan options users combine, validated as `train`
 validates them.
 
-`OPTIONS` are 25 options, each a few `--set` overrides on 8 devices (a mesh degree of 2 where
+`OPTIONS` are 27 options, each a few `--set` overrides on 8 devices (a mesh degree of 2 where
 it names one; dp takes the devices left). `pair(a, b)` validates the two together
 (`plan.validate`: the plan's problems and what `train` cannot run) and returns the refusal, if
-any; `table()` does it for all 300 pairs. A refusal that remains must be one no implementation
+any; `table()` does it for all 351 pairs. A refusal that remains must be one no implementation
 could run: `REASONS` names each by the words of its message, with why, and `docs/composition.md`
 (written by `python -m jaxscale.analysis.composition --update-docs`) shows the table.
 `PENDING` lists the refusals an implementation could avoid that are not built yet.
@@ -47,6 +47,7 @@ OPTIONS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "sparse embedding": ({}, ("plan.sparse_embedding=true",)),
     "collective matmul": ({"tp": 2}, ("plan.sequence_parallel=true",
                                       "plan.tp_overlap=collective_matmul")),
+    "ZeRO++ qwZ+qgZ": ({"fsdp": 2}, ("plan.zeropp=qwz+qgz",)),
 }
 #: the options the pipeline and mixture-of-experts issues own
 PIPELINE = ("pp 1F1B", "pp ZB-H1", "pp interleaved", "pp ZB-V")
