@@ -15,7 +15,7 @@ def table():
 
 
 def test_every_pair_is_validated(table):
-    assert len(composition.OPTIONS) == 26 and len(table) == 325
+    assert len(composition.OPTIONS) == 27 and len(table) == 351
 
 
 def test_every_pipeline_pair_is_accepted_or_refused_for_a_reason(table):
