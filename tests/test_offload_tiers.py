@@ -22,6 +22,7 @@ from collections import namedtuple
 
 import jax
 import numpy as np
+import pytest
 
 from jaxscale import plan as plan_lib
 from jaxscale.data import Batches, load_corpus
@@ -197,3 +198,46 @@ def test_kill_mid_step_then_resume_gives_the_uninterrupted_losses(tmp_path):
     ref = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
     assert len(ref) == 4 and got == ref
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- leftovers
+def test_a_new_store_removes_the_directories_of_dead_processes_only(tmp_path, capsys):
+    """A store killed with its process (kill -9) leaves its directory; the next store removes
+    it, and keeps those of live processes, of other hosts and of other programs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = store_lib._host()
+    left = tmp_path / f"jaxscale-offload-{host}-{dead.pid}-abc123"
+    keep = [tmp_path / f"jaxscale-offload-{host}-{os.getppid()}-live_1",
+            tmp_path / f"jaxscale-offload-elsewhere-{dead.pid}-other_1",
+            tmp_path / "jaxscale-offload-q8w_z1",             # no process id in its name
+            tmp_path / "mine"]
+    for d in (left, *keep):
+        d.mkdir()
+        (d / "0000.bin").write_bytes(b"\0" * 16)
+    s = store_lib.Store(str(tmp_path), [store_lib.Leaf((4,), np.dtype("float32"), False)])
+    try:
+        assert not left.exists() and all(d.exists() for d in keep)
+        assert os.path.basename(s.dir).startswith(f"jaxscale-offload-{host}-{os.getpid()}-")
+        err = capsys.readouterr().err
+        assert str(left) in err and f"process {dead.pid}" in err and "no longer running" in err
+    finally:
+        s.close()
+    assert not os.path.exists(s.dir)
+
+
+def test_planner_ledger_puts_the_nvme_store_on_disk_and_only_its_pieces_in_host_ram():
+    from jaxscale import planner
+    from jaxscale.planner.report import format_prediction
+    pred = planner.predict(_cfg(*NVME))
+    spec, n = pred.spec, pred.spec.n_devices
+    assert sum(pred.memory.disk.values()) * n == tiers.store_bytes(spec)
+    assert set(pred.memory.disk) == {"optimizer", "master"}
+    assert pred.memory.host == {"pieces": tiers.PIECES_IN_FLIGHT * 12 * tiers.piece_elems(spec)
+                                / n}
+    assert pred.memory.xla["host_argument"] == 0 and pred.memory.optimizer == 0
+    text = format_prediction(pred)
+    assert "disk optimizer" in text and "disk master" in text and "host pieces" in text
+    host = planner.predict(_cfg(*HOST)).memory          # the host update: one copy in RAM
+    assert not host.disk and host.host["optimizer"] + host.host["master"] == pytest.approx(
+        tiers.store_bytes(spec) / n)

@@ -31,6 +31,8 @@ def format_prediction(pred) -> str:
                  f"{'fits' if pred.fits else 'DOES NOT FIT'}")
     for k, v in mem.host.items():
         lines.append(f"  host {k:<9}{nbytes(v):>12}")
+    for k, v in mem.disk.items():
+        lines.append(f"  disk {k:<9}{nbytes(v):>12}")
     ph = mem.phases
     if ph:
         which = "backward" if ph["backward"] >= ph["update"] else "optimizer update"

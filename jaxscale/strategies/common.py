@@ -41,8 +41,10 @@ class Comm:
 
 
 #: rows of the memory ledger: device-resident state, saved activations, the temporaries of the
-#: backward and of the update phase (the compiled temp is the larger), and host-resident bytes
-ROWS = ("params", "master", "grads", "optimizer", "activations", "backward", "update", "host")
+#: backward and of the update phase (the compiled temp is the larger), host-resident bytes, and
+#: bytes on disk (the nvme offload tier's files)
+ROWS = ("params", "master", "grads", "optimizer", "activations", "backward", "update", "host",
+        "disk")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class Term:
     row: str                  # one of ROWS
     bytes: float
     what: str
-    part: str = ""            # for host rows: params | master | optimizer | activations
+    part: str = ""            # for host and disk rows: params | master | optimizer |
+                              # activations | pieces (a streamed store's pieces in flight)
 
     def as_dict(self) -> dict:
         return asdict(self)

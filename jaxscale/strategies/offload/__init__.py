@@ -83,12 +83,15 @@ def collectives(spec) -> list:
 
 def memory(spec) -> list[Term]:
     """Each offloaded part leaves device memory for host memory, byte for byte; and the update
-    phase holds one streamed piece of it on the device."""
+    phase holds one streamed piece of it on the device. The host-driven tiers (nvme, the host
+    update): `_driven_memory`."""
     if not active(spec):
         return []
     state = precision.state_bytes(spec)
     if spec.local_sgd != "none":        # its opt_state is the outer optimizer's
         state = {**state, "optimizer": local_sgd.outer_state_bytes(spec)}
+    if tiers.driven(spec):
+        return _driven_memory(spec, state)
     out = []
     for part in PARTS:
         if part in parse(spec.offload):
@@ -99,6 +102,26 @@ def memory(spec) -> list[Term]:
                            "the offloaded parts, on the device for local SGD's step")]
     return out + [Term("update", piece_bytes(spec),
                        "one streamed piece: a layer's state, its update, its fp32 gradient")]
+
+
+def _driven_memory(spec, state) -> list[Term]:
+    """The host-driven tiers: the parts leave the device; the store is one logical copy for the
+    process (per device: its share), on disk under the nvme tier with only the streamed pieces
+    in host RAM, in host RAM under the host tier (`tiers.host_ram_bytes`)."""
+    n = spec.n_devices
+    out = [Term(part, -state[part], f"{part} offloaded ({spec.offload_tier} tier)")
+           for part in PARTS if part in parse(spec.offload)]
+    if spec.offload_tier == "nvme":
+        out += [Term("disk", v / n, f"{part} in files under plan.offload_dir", part=part)
+                for part, v in tiers.store_parts(spec).items()]
+    what = {"pieces": "the store's pieces in flight (read-ahead, update, write-behind)",
+            "params": "the new working parameters, before they go to the devices"}
+    out += [Term("host", v / n, what.get(k, f"{k} in host memory (one logical copy)"), part=k)
+            for k, v in tiers.host_ram_bytes(spec).items()]
+    if spec.offload_update == "device":
+        out.append(Term("update", piece_bytes(spec),
+                        "one streamed piece: a layer's state, its update, its fp32 gradient"))
+    return out
 
 
 def piece_bytes(spec) -> float:

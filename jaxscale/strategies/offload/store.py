@@ -9,11 +9,17 @@ A window is unmapped as soon as it is copied (read) or flushed (written), so the
 read, the previous one being written. The files are a working store, not a checkpoint: a run's
 checkpoint is the Orbax checkpoint of the whole train state (`full_state` in `offload/driver.py`)
 and a resume writes the restored state back into fresh files.
+
+A store's directory is named `jaxscale-offload-<host>-<pid>-<random>`: a process killed before it
+could remove its own (`kill -9`) leaves it behind, and the next store opened under the same
+directory removes it (`sweep`) once no process of that id runs on this host, saying so on stderr.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +50,8 @@ class Store:
     """Files for `leaves` in a fresh directory under `root` (removed with the store)."""
 
     def __init__(self, root: str, leaves: list[Leaf]):
-        self.dir = tempfile.mkdtemp(prefix="jaxscale-offload-", dir=root)
+        sweep(root)
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}-", dir=root)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.leaves = leaves
         self.bytes_read = 0
@@ -133,6 +140,43 @@ class RamStore(Store):
 
     def close(self):
         self._io.shutdown(wait=True)
+
+
+PREFIX = "jaxscale-offload-"
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "localhost"
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (signal 0: no such process, or not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(root: str) -> list[str]:
+    """Remove the store directories under `root` left by processes of this host that are gone;
+    those of live processes and of other hosts stay. The removed paths."""
+    gone = []
+    for name in sorted(os.listdir(root)):
+        parts = name[len(PREFIX):].rsplit("-", 2) if name.startswith(PREFIX) else []
+        if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit():
+            continue
+        pid, path = int(parts[1]), os.path.join(root, name)
+        if pid == os.getpid() or _alive(pid) or not os.path.isdir(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+        print(f"jaxscale offload: removed {path}, the offload store of process {pid}, which is "
+              f"no longer running (killed before it could remove it)", file=sys.stderr,
+              flush=True)
+    return gone
 
 
 def probe(directory: str, need: float, key: str = "plan.offload_dir") -> str | None:

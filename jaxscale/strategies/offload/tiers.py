@@ -113,6 +113,42 @@ def store_bytes(spec) -> int:
     return psi(spec) * per + 4 * counters(spec)
 
 
+def store_parts(spec) -> dict[str, float]:
+    """`store_bytes` by part (the counters with the optimizer's): one logical copy for the
+    whole process, whatever the plan's sharding of the state on the devices."""
+    moment = 4 if spec.mixed else spec.param_itemsize
+    parts = {"optimizer": float(psi(spec) * spec.moments * moment + 4 * counters(spec)),
+             "master": float(psi(spec) * 4) if spec.mixed else 0.0}
+    return {k: v for k, v in parts.items() if k in parts_offloaded(spec)}
+
+
+#: pieces of the store in host RAM at once while it streams (`store.Store.stream`): the one
+#: read ahead, the one being updated and its new values, and the previous one's being written
+PIECES_IN_FLIGHT = 4
+
+
+def piece_elems(spec) -> float:
+    """Parameters in the largest piece of the store: a layer of every stacked leaf, or the
+    largest unstacked leaf (embedding or head)."""
+    ls = leaves(spec.model)
+    layer = sum(leaf.size for leaf in ls if leaf.stacked) / spec.model.n_layers
+    return float(max(layer, max((leaf.size for leaf in ls if not leaf.stacked), default=0)))
+
+
+def host_ram_bytes(spec) -> dict[str, float]:
+    """Host RAM of the host-driven tiers, the whole process: the store (the host tier with the
+    host update keeps its one logical copy in RAM; nvme only `PIECES_IN_FLIGHT` pieces of it)
+    and, for the host update, a piece's fp32 gradients and the new working parameters (they go
+    to the devices whole after the last piece)."""
+    per = (store_bytes(spec) - 4 * counters(spec)) / psi(spec)
+    out = ({"pieces": PIECES_IN_FLIGHT * per * piece_elems(spec)}
+           if spec.offload_tier == "nvme" else dict(store_parts(spec)))
+    if spec.offload_update == "host":
+        out["params"] = float(spec.param_itemsize * psi(spec))
+        out["pieces"] = out.get("pieces", 0.0) + 4 * piece_elems(spec)
+    return out
+
+
 def disk_bytes(spec) -> dict[str, int]:
     """Bytes read from and written to the store per (finite) step: each stored byte once each
     way; 0 off the nvme tier. A skipped (non-finite) step reads and writes nothing."""
