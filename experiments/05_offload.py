@@ -28,8 +28,15 @@ fp32 master and Adam, dp=8, batch 16 x 64.
    H100s. A device moves 2 x b x Psi / N bytes (b offloaded bytes/param) and computes ~6 Psi
    FLOPs per token, so the copies hide behind compute from T* = b x peak x eff / (3 N host_bw)
    tokens per device per step on, whatever the model size.
+5. The four tiers side by side (`_offload_tiers.py`, one process each, tiny LLaMA with 8 layers):
+   device (no offload), host-streamed (`plan.offload=optimizer+master`), host update
+   (`plan.offload_update=host`, ZeRO-Offload) and NVMe (`plan.offload_tier=nvme`, a temporary
+   `plan.offload_dir`): device-resident state and device peak (compiled), the process's peak RSS,
+   the bytes moved per step over the host link and to disk as counted against `offload/tiers.py`'s
+   formulas, the step time, and the planner's prediction of each.
 (XLA:CPU keeps both memory kinds in the same RAM and emits no copies, so the CPU measures where
-state lives and how many bytes move, not how long they take.) Writes offload.png.
+state lives and how many bytes move, not how long they take.) Writes offload.png and
+offload_tiers.png (memory per tier, bytes per step per tier).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from collections import Counter  # noqa: E402
 
 import _common as C  # first: it sets up the 8 simulated devices before jax is imported
 
+import _offload_tiers as tiers_lib  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -263,8 +271,13 @@ def main():
     a2.legend(fontsize=8)
     a2.grid(alpha=0.3, which="both")
     C.save(fig, args.out, "offload.png")
+
+    print()
+    tier_res = tiers_lib.run_all()
+    tiers_lib.report(tier_res, claims, args.out)
     print(f"{time.time() - t0:.0f} s")
-    claims.finish(args.out, {"placement": res, "activation_offload_bytes": act})
+    claims.finish(args.out, {"placement": res, "activation_offload_bytes": act,
+                             "tiers": tier_res})
 
 
 if __name__ == "__main__":
