@@ -172,12 +172,6 @@ def run_all() -> dict[str, dict]:
     return res
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    with open(sys.argv[2], "w") as out:
-        json.dump(measure(sys.argv[1]), out, default=float)
-
-
 def report(res: dict[str, dict], claims, out: str) -> None:
     """The tiers' table, their claims and `offload_tiers.png`."""
     import _common as C
@@ -271,3 +265,8 @@ def report(res: dict[str, dict], claims, out: str) -> None:
     a2.set_title("bytes moved per step: counted (bars) vs formula (x)", fontsize=9)
     a2.legend(fontsize=7)
     C.save(fig, out, "offload_tiers.png")
+
+
+if __name__ == "__main__":      # one tier in a process of its own (its directory is on the path)
+    with open(sys.argv[2], "w") as out:
+        json.dump(measure(sys.argv[1]), out, default=float)

@@ -191,7 +191,7 @@ CONFIG_CLASSES = (C.DataConfig, C.OptimConfig, C.PlanConfig, C.TrainConfig, C.Ch
                   ModelConfig, RopeScaling, MeshConfig)
 #: strings with no closed set of values (paths, names, or parsed by their strategy module)
 FREE_STRINGS = {"source", "loss_scale", "remat", "offload", "out", "dir", "tokenizer", "text_field",
-                "shards", "prune", "teacher", "stage_layers"}
+                "shards", "prune", "teacher", "stage_layers", "offload_dir", "zeropp"}
 
 
 @pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)

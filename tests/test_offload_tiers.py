@@ -118,6 +118,18 @@ def test_host_update_first_step_is_the_device_update_and_moves_the_formula_bytes
     assert got.counted[0]["disk_read"] == 0
 
 
+def test_host_update_steps_a_routing_bias_by_its_sign_rule():
+    """A mixture's routing biases take DeepSeek-V3's -rate x sign step on the host too: the
+    first step equals the device update's, bit for bit, biases included."""
+    moe = ("model.moe_experts=4", "model.moe_bias_rate=0.01", "model.moe_dropless=true")
+    ref, got = _run(moe, 1), _run((*moe, *HOST), 1)
+    assert got.losses == ref.losses
+    for part in ("params", "opt_state", "master"):
+        assert _diff(ref.states[0], got.states[0], part) == 0, part
+    bias = got.states[0].master["layers"]["mlp"]["router_bias"]
+    assert np.abs(bias).max() > 0
+
+
 def test_delayed_update_reads_parameters_one_step_stale():
     """DPU: step 1's gradient is taken at the initial parameters (step 0's update still runs),
     then applied after step 0's; the same two updates computed by hand agree bit for bit."""

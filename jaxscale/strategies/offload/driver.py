@@ -65,6 +65,9 @@ class Step:
         self.decay = [not any(getattr(k, "key", None) == "scale" for k in path)
                       for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
         self.n_params = len(self.decay)
+        # a mixture's routing biases step by -rate x sign(signal) (train.state._bias_steps)
+        self.bias = [getattr(path[-1], "key", None) == "router_bias"
+                     for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
         L = {leaf.shape[0] for leaf in self.leaves if leaf.stacked}
         self.pieces = [("layer", i) for i in range(L.pop() if L else 0)] + [
             ("leaf", j) for j in range(self.n_params) if j not in ctx.stacked]
@@ -269,6 +272,8 @@ class Step:
             target = old[n_opt + j] if self.mixed else self._to_host(cur[j])
             mu, nu, t = host_adam.adamw(self.optim, s, grad, old[self.mu[j]], old[self.nu[j]],
                                         target, self.decay[j])
+            if self.bias[j]:
+                t = host_adam.sign_step(self.spec.model.moe_bias_rate, grad, target)
             new[self.mu[j]], new[self.nu[j]] = mu, nu
             if self.mixed:
                 new[n_opt + j] = t

@@ -61,3 +61,9 @@ def adamw(optim, s: Scalars, grad, mu, nu, target, decay: bool):
         u = u + F32(optim.weight_decay) * target
     u = s.step_size * u
     return mu, nu, (target + u).astype(target.dtype)
+
+
+def sign_step(rate: float, grad, target):
+    """A routing bias's step (`train.state._bias_steps`): target - rate x sign(its signal); its
+    moments still move as AdamW's state does."""
+    return (target + F32(-rate) * np.sign(grad)).astype(target.dtype)
