@@ -81,6 +81,23 @@ def problems_of(parse, *args) -> list[str]:
     return []
 
 
+def parse_parts(value: str, valid: tuple[str, ...], key: str, example: str,
+                every: bool = False) -> frozenset[str]:
+    """The parts an option names: "none", parts of `valid` joined with '+', or (`every`) "all";
+    an unknown part is an error naming `key`, the valid parts and an `example`."""
+    if value in ("", "none"):
+        return frozenset()
+    if every and value == "all":
+        return frozenset(valid)
+    parts = frozenset(p.strip() for p in value.split("+"))
+    bad = parts - set(valid)
+    if bad:
+        raise ValueError(f"unknown {key} part(s) {sorted(bad)}; valid: none, "
+                         f"{'all, ' if every else ''}or {', '.join(valid)} joined with '+' "
+                         f"(e.g. {example})")
+    return parts
+
+
 def dtype_bytes(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 
 from jaxscale.strategies import local_sgd, precision, zero
-from jaxscale.strategies.common import Term, problems_of
+from jaxscale.strategies.common import Term, parse_parts, problems_of
 from jaxscale.strategies.offload import tiers
 from jaxscale.strategies.tables.params import leaves
 
@@ -42,14 +42,7 @@ HOST = "pinned_host"
 
 def parse(value: str) -> frozenset[str]:
     """The parts of `plan.offload` ("none", or parts joined with '+')."""
-    if value in ("", "none"):
-        return frozenset()
-    parts = frozenset(p.strip() for p in value.split("+"))
-    bad = parts - set(PARTS)
-    if bad:
-        raise ValueError(f"unknown plan.offload part(s) {sorted(bad)}; valid: none, or "
-                         f"{', '.join(PARTS)} joined with '+' (e.g. optimizer+master)")
-    return parts
+    return parse_parts(value, PARTS, "plan.offload", "optimizer+master")
 
 
 # ----------------------------------------------------------------------------- protocol

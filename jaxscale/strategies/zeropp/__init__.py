@@ -32,28 +32,18 @@ from __future__ import annotations
 import math
 
 from jaxscale.hooks import register
-from jaxscale.strategies.common import Comm, Term, problems_of
+from jaxscale.strategies.common import Comm, Term, parse_parts, problems_of
 from jaxscale.strategies.tables.params import leaves, outer_runs
 from jaxscale.strategies.zero import gather_axes
 
 NAME = "zeropp"
 AVAILABLE = True
 PARTS = ("qwz", "hpz", "qgz")
-SECONDARY = "zeropp_secondary"
 
 
 def parse(value: str) -> frozenset[str]:
     """The parts of `plan.zeropp` ("none", "all", or parts joined with '+')."""
-    if value in ("", "none"):
-        return frozenset()
-    if value == "all":
-        return frozenset(PARTS)
-    parts = frozenset(p.strip() for p in value.split("+"))
-    bad = parts - set(PARTS)
-    if bad:
-        raise ValueError(f"unknown plan.zeropp part(s) {sorted(bad)}; valid: none, all, or "
-                         f"{', '.join(PARTS)} joined with '+' (e.g. qwz+hpz)")
-    return parts
+    return parse_parts(value, PARTS, "plan.zeropp", "qwz+hpz", every=True)
 
 
 def weights_format(spec) -> str:
