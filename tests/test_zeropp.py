@@ -92,13 +92,12 @@ def test_qwz_halves_the_gathers_of_16_bit_weights():
     """bf16 weights: int8 payloads plus 4 bytes per block, about half of bf16's gather bytes
     (head dimension 64: the attention weights' blocks are 64 wide)."""
     def gathers(*extra):
-        spec = plan.Spec.from_config(tiny_config(*HYBRID, "plan.precision=bf16", "model.dim=256",
-                                                 "model.n_heads=4", "model.n_kv_heads=4",
-                                                 *extra))
+        spec = plan.Spec.from_config(tiny_config(
+            *HYBRID, "mesh.device_kind=h100", "plan.precision=bf16", "model.dim=256",
+            "model.n_heads=4", "model.n_kv_heads=4", *extra))
         return sum(c.bytes for c in plan.collectives(spec) if c.kind == "all-gather"
                    and c.what.startswith(("ZeRO++", "parameters, forward", "layer")))
-    plain, qwz = gathers(device_kind := "mesh.device_kind=h100"), gathers(device_kind,
-                                                                          "plan.zeropp=qwz")
+    plain, qwz = gathers(), gathers("plan.zeropp=qwz")
     assert 0.5 < qwz / plain < 0.6       # 1/2 + 4/block/2: blocks of 32 to 256 here
 
 
