@@ -194,7 +194,9 @@ def arg(kind=int, *, parse=None, noun: str | None = None, **rule):
 
 # ----------------------------------------------------------------------------- paths
 def dir_problem(path, key: str) -> str | None:
-    """Why `path` cannot be (or become) a writable directory, or None; nothing is created."""
+    """Why `path` cannot be (or become) a writable directory, or None. Nothing of `path` is
+    created: an empty directory is made and removed where it would go (`_try_write`), as the
+    permission bits do not tell (root passes `os.access` everywhere, /proc included)."""
     p = Path(path)
     name = f"{key}={str(path)!r}"
     if p.exists():
@@ -202,7 +204,8 @@ def dir_problem(path, key: str) -> str | None:
             return f"{name}: exists and is not a directory"
         if not os.access(p, os.W_OK | os.X_OK):
             return f"{name}: the directory is not writable"
-        return None
+        why = _try_write(p)
+        return f"{name}: the directory is not writable ({why})" if why else None
     parent = p.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -210,4 +213,18 @@ def dir_problem(path, key: str) -> str | None:
         return f"{name}: cannot be created, {str(parent)!r} is a file"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{name}: cannot be created, {str(parent)!r} is not writable"
+    why = _try_write(parent)
+    if why:
+        return f"{name}: cannot be created in {str(parent)!r} ({why}); choose a directory "\
+               f"on a writable file system"
     return None
+
+
+def _try_write(directory: Path) -> str:
+    """'' when a directory can be made (and is removed again) in `directory`, else why not."""
+    import tempfile
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxscale-probe-", dir=directory))
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return ""

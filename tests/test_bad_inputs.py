@@ -111,6 +111,9 @@ CASES = {
                            "ckpt.dir='{tmp}/a_file.txt': exists and is not a directory"),
     "out under a file": (["train", T, "--out", FILE + "/run"],
                          "cannot be created, '{tmp}/a_file.txt' is a file"),
+    # as root every path passes os.access: the directory is made (and removed) where it would go
+    "out under /proc": (["train", T, "--out", "/proc/no/such/dir"],
+                        "--out='/proc/no/such/dir': cannot be created in '/proc'"),
     "train.out is a file": (["train", T, "--set", "train.out=" + FILE],
                             "train.out='{tmp}/a_file.txt'"),
     "profile out is a file": (["profile", T, "--out", FILE], "--out='{tmp}/a_file.txt'"),
