@@ -195,17 +195,18 @@ def arg(kind=int, *, parse=None, noun: str | None = None, **rule):
 # ----------------------------------------------------------------------------- paths
 def dir_problem(path, key: str) -> str | None:
     """Why `path` cannot be (or become) a writable directory, or None. Nothing of `path` is
-    created: an empty directory is made and removed where it would go (`_try_write`), as the
-    permission bits do not tell (root passes `os.access` everywhere, /proc included)."""
+    created or changed: an existing directory is checked by its permissions and its file
+    system's read-only flag; a new one by making (and removing) an empty directory in the
+    nearest existing ancestor (`_try_write`), as permissions do not tell there (root passes
+    `os.access` everywhere, /proc included)."""
     p = Path(path)
     name = f"{key}={str(path)!r}"
     if p.exists():
         if not p.is_dir():
             return f"{name}: exists and is not a directory"
-        if not os.access(p, os.W_OK | os.X_OK):
+        if not os.access(p, os.W_OK | os.X_OK) or _read_only(p):
             return f"{name}: the directory is not writable"
-        why = _try_write(p)
-        return f"{name}: the directory is not writable ({why})" if why else None
+        return None
     parent = p.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -218,6 +219,14 @@ def dir_problem(path, key: str) -> str | None:
         return f"{name}: cannot be created in {str(parent)!r} ({why}); choose a directory "\
                f"on a writable file system"
     return None
+
+
+def _read_only(directory: Path) -> bool:
+    """Whether `directory` is on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _try_write(directory: Path) -> str:
