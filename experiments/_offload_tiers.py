@@ -33,32 +33,6 @@ SEQ, BATCH, LAYERS, STEPS = 64, 16, 8, 2
 MiB = 2 ** 20
 
 
-def _status(key: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> bool:
-    """Return freed heap to the system (glibc's `malloc_trim`: what compiling left behind), then
-    reset VmHWM to the current RSS (Linux >= 4.0: `echo 5 > /proc/self/clear_refs`)."""
-    import ctypes
-    import gc
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def config(tier: str, offload_dir: str = ""):
     import _common as C
     ov = TIERS[tier] + ((f"plan.offload_dir={offload_dir}",) if tier == "nvme" else ())
@@ -87,6 +61,7 @@ def measure(tier: str) -> dict:
 
     from jaxscale import planner
     from jaxscale.analysis import inspect
+    from jaxscale.analysis.profiling import host_status, reset_host_peak
     from jaxscale.data import Batches, load_corpus
     from jaxscale.plan import Spec
     from jaxscale.strategies.offload import tiers
@@ -104,8 +79,8 @@ def measure(tier: str) -> dict:
         state, losses, counted, times = setup.init_state(), [], [], []
         for i in range(1 + STEPS):
             if i == 1:
-                peak_ok = _reset_peak()
-                rss_before = _status("VmRSS")       # resident between steps
+                peak_ok = reset_host_peak()
+                rss_before = host_status("VmRSS")       # resident between steps
             if driver:
                 driver.reset_counts()
             b = {k: jax.device_put(v, setup.batch_shardings()[k])
@@ -116,7 +91,7 @@ def measure(tier: str) -> dict:
             times.append(time.perf_counter() - t0)
             if driver:
                 counted.append(driver.counted())
-        peak = _status("VmHWM")
+        peak = host_status("VmHWM")
         abstract = setup.abstract_state()
         if driver:
             exe = driver.lower(state, b).compile()

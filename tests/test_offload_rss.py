@@ -2,22 +2,14 @@
 process of its own, so that one's memory is not another's)."""
 
 RSS_PROBE = r'''
-import ctypes, gc, json, os, sys, tempfile
+import json, sys, tempfile
 import jax
 from tests.helpers import tiny_config
+from jaxscale.analysis.profiling import host_status as status, reset_host_peak as trim
 from jaxscale.data import Batches, load_corpus
 from jaxscale.plan import Spec
 from jaxscale.strategies.offload import tiers
 from jaxscale.train.setup import build
-
-def status(key):
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
-                if l.startswith(key + ":"))
-
-def trim():           # freed heap back to the system, then the peak reset to the current RSS
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    open("/proc/self/clear_refs", "w").write("5")
 
 ov = ["mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1", "plan.precision=bf16",
       "plan.offload=optimizer+master", "model.dim=384", "model.ffn_dim=1152",

@@ -140,3 +140,31 @@ def median_seconds(fn, *args, reps: int = 5) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- host RAM
+def host_status(key: str) -> int:
+    """A /proc/self/status field of this process in bytes (`VmRSS`: resident now, `VmHWM`: its
+    peak since the last `reset_host_peak`)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_host_peak() -> bool:
+    """Return freed heap to the system (glibc's `malloc_trim`: what compiling left behind), then
+    reset VmHWM to the current RSS (Linux >= 4.0: `echo 5 > /proc/self/clear_refs`); False where
+    the peak cannot be reset."""
+    import ctypes
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
