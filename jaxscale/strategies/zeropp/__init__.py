@@ -144,9 +144,13 @@ def reduced(spec) -> set[str]:
     return {leaf.path for leaf in sites(spec)}
 
 
-def _block(n: int, block: int, even: bool = False) -> int:
-    return next(b for b in range(min(block, n), 0, -1)
-                if n % b == 0 and (not even or b % 2 == 0))
+def block_size(n: int, block: int, even: bool = False) -> int:
+    """The largest divisor of `n` (a shard's last dimension) not above `block`, even for int4's
+    packed pairs: a block never straddles two shards."""
+    for b in range(min(block, n), 0, -1):
+        if n % b == 0 and (not even or b % 2 == 0):
+            return b
+    raise ValueError(f"no even block divides a shard's last dimension {n}: int4 packs pairs")
 
 
 def _gathered_dim(spec, leaf) -> int:
@@ -162,7 +166,7 @@ def _wire(spec, leaf, fmt: str, block: int, even=False) -> tuple[float, float]:
     # the shard's last dimension, whole over the gather axes unless it is the gathered one
     last = (leaf.shape[-1] // math.prod(spec.deg(a) for a in gather_axes(spec))
             if d == len(shape) - 1 else shape[-1])
-    b = _block(int(last), block, even)
+    b = block_size(int(last), block, even)
     per = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}[fmt]
     return per, 4.0 / b
 

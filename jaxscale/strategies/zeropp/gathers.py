@@ -30,15 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.axes import entry_axes, manual, mesh_entry, on_shards
 from jaxscale.hooks.projection import SCALES, compute, layer_input, own_layer
 from jaxscale.strategies.codecs import decode, encode
-
-
-def block_size(n: int, block: int, even: bool = False) -> int:
-    """The largest divisor of `n` (a shard's last dimension) not above `block`, even for int4's
-    packed pairs (a block never straddles two shards)."""
-    for b in range(min(block, n), 0, -1):
-        if n % b == 0 and (not even or b % 2 == 0):
-            return b
-    raise ValueError(f"no even block divides a shard's last dimension {n}: int4 packs pairs")
+from jaxscale.strategies.zeropp import block_size
 
 
 class Layout:
