@@ -79,6 +79,7 @@ class StepContext:
     parts: StepParts
     grads_fn: Callable = None        # the plan's grads function, with statistics
     stat_names: tuple = ()           # the metrics its statistics carry
+    reduce: Callable = None          # parts.reduce applied to it (the data region), or None
 
     def __post_init__(self):
         abstract = self.model.abstract_params
@@ -89,6 +90,43 @@ class StepContext:
                                                                     is_leaf=is_partition))
                         if tuple(names)[:1] == ("layers",)}
         self.grads_sh = named_shardings(self.placement, self.lay.specs.grads)
+
+    def gradients(self, state, batch, *teacher):
+        """Steps 1-3 of the module docstring, in the plan's rules: (the working parameters on the
+        device, the gradients in their ZeRO layout, their global norm, whether the step is
+        finite, loss, tokens, statistics, a probe's cotangent or None, the new
+        `TrainState.comm`). Needs `grads_fn` and `reduce`
+        (`make_train_step` sets them); a strategy's own step (the host-driven offload) calls it
+        too."""
+        lay, probe = self.lay, self.parts.probe
+        with use_rules(self.placement.mesh, self.placement.rules):
+            params = state.params if not lay.memory_kinds else jax.device_put(
+                state.params, self.device_sh.params)
+            scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
+            comm = state.comm
+            if self.reduce is not None:
+                grads, loss, ntok, stats, comm = self.reduce(params, batch, jnp.asarray(
+                    scale, jnp.float32), state.comm, *teacher)
+            else:
+                seen = {} if probe is None else {
+                    "probe": probe.read(getattr(state, probe.field))}
+                grads, loss, ntok, stats = self.grads_fn(params, batch, scale, *teacher, **seen)
+            seen = stats.pop(grads_lib.PROBE, None)
+            grads = jax.lax.with_sharding_constraint(grads, self.grads_sh)
+            norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+            if comm is not None:        # a skipped step keeps its error-feedback residual too
+                comm = keep_if_finite(finite, comm, state.comm)
+        return params, grads, norm, finite, loss, ntok, stats, seen, comm
+
+    def metrics(self, state, loss, norm, ntok, finite, stats) -> dict:
+        """The step's metrics: loss, gradient norm, learning rate, tokens, skipped, the grads
+        function's statistics and the loss scale."""
+        out = {"loss": loss, "grad_norm": norm, "lr": self.learning_rate(state.step),
+               "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **stats}
+        if state.loss_scale is not None:
+            out["loss_scale"] = state.loss_scale["scale"]
+        return out
 
     def apply_update(self, inputs, state):
         """The optimizer update of the whole state or of any piece of it (a tree with `None`
@@ -141,35 +179,20 @@ def make_train_step(ctx: StepContext, distill=None, with_grads: bool = False):
     (state, batch, teacher params) -> ..., the teacher's parameters an argument (not donated,
     not in the state). `with_grads`: the metrics also carry `grads`, the mean gradients the
     update read (the numerics tests compare them with one device's, without a second compile)."""
-    parts, placement, policy, lay = ctx.parts, ctx.placement, ctx.policy, ctx.lay
+    parts, placement, policy = ctx.parts, ctx.placement, ctx.policy
     ctx.grads_fn = grads_lib.plan_grads_fn(ctx.model, placement, parts, with_stats=True,
                                            distill=distill)
     ctx.stat_names = grads_lib.stat_names(ctx.model, distill)
+    ctx.reduce = parts.reduce(ctx.grads_fn, ctx) if parts.reduce else None
     if parts.train_step is not None:          # a strategy's own step (local SGD)
         return parts.train_step(ctx)
-    grads_fn, probe = ctx.grads_fn, parts.probe
-    reduce = parts.reduce(grads_fn, ctx) if parts.reduce else None
+    probe = parts.probe
     update = parts.update(ctx) if parts.update else guarded_update(ctx)
 
     def train_step(state: TrainState, batch, *teacher):
+        params, grads, grad_norm, finite, loss, ntok, stats, seen, comm = ctx.gradients(
+            state, batch, *teacher)
         with use_rules(placement.mesh, placement.rules):
-            params = state.params if not lay.memory_kinds else jax.device_put(
-                state.params, ctx.device_sh.params)
-            scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
-            comm = state.comm
-            if reduce is not None:
-                grads, loss, ntok, stats, comm = reduce(params, batch, jnp.asarray(
-                    scale, jnp.float32), state.comm, *teacher)
-            else:
-                seen = {} if probe is None else {
-                    "probe": probe.read(getattr(state, probe.field))}
-                grads, loss, ntok, stats = grads_fn(params, batch, scale, *teacher, **seen)
-            seen = stats.pop(grads_lib.PROBE, None)
-            grads = jax.lax.with_sharding_constraint(grads, ctx.grads_sh)
-            grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            if comm is not None:        # a skipped step keeps its error-feedback residual too
-                comm = keep_if_finite(finite, comm, state.comm)
             new_params, new_opt, new_master = update(grads, grad_norm, finite, state, params)
         changes = {}
         if seen is not None:
@@ -177,10 +200,7 @@ def make_train_step(ctx: StepContext, distill=None, with_grads: bool = False):
         new_state = dataclasses.replace(
             state, step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
             loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm, **changes)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": ctx.learning_rate(state.step),
-                   "tokens": ntok, "skipped": (~finite).astype(jnp.int32), **stats}
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = state.loss_scale["scale"]
+        metrics = ctx.metrics(state, loss, grad_norm, ntok, finite, stats)
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
