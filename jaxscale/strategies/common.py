@@ -98,6 +98,15 @@ def parse_parts(value: str, valid: tuple[str, ...], key: str, example: str,
     return parts
 
 
+def block_size(n: int, block: int, even: bool = False) -> int:
+    """The largest divisor of `n` (a shard's last dimension) not above `block`, even for int4's
+    packed pairs: a block never straddles two shards."""
+    for b in range(min(block, n), 0, -1):
+        if n % b == 0 and (not even or b % 2 == 0):
+            return b
+    raise ValueError(f"no even block divides a shard's last dimension {n}: int4 packs pairs")
+
+
 def dtype_bytes(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 from jaxscale.hooks import register
-from jaxscale.strategies.common import Comm, Term, parse_parts, problems_of
+from jaxscale.strategies.common import Comm, Term, block_size, parse_parts, problems_of
 from jaxscale.strategies.tables.params import leaves, outer_runs
 from jaxscale.strategies.zero import gather_axes
 
@@ -142,15 +142,6 @@ def reduced(spec) -> set[str]:
     if not active(spec) or grads_format(spec) == "none":
         return set()
     return {leaf.path for leaf in sites(spec)}
-
-
-def block_size(n: int, block: int, even: bool = False) -> int:
-    """The largest divisor of `n` (a shard's last dimension) not above `block`, even for int4's
-    packed pairs: a block never straddles two shards."""
-    for b in range(min(block, n), 0, -1):
-        if n % b == 0 and (not even or b % 2 == 0):
-            return b
-    raise ValueError(f"no even block divides a shard's last dimension {n}: int4 packs pairs")
 
 
 def _gathered_dim(spec, leaf) -> int:

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.axes import entry_axes, manual, mesh_entry, on_shards
 from jaxscale.hooks.projection import SCALES, compute, layer_input, own_layer
 from jaxscale.strategies.codecs import decode, encode
-from jaxscale.strategies.zeropp import block_size
+from jaxscale.strategies.common import block_size
 
 
 class Layout:
