@@ -149,6 +149,19 @@ class TrainConfig:
     out: str = ""                     # run directory; "" -> runs/<name>
     nonfinite: str = one_of("skip", "skip", "stop")   # non-finite loss or grad norm: skip the
                                       # update | stop the run
+    # loss spikes (jaxscale.train.spikes): a loss above the rolling window of accepted losses
+    spike_policy: str = one_of("off", "off", "skip", "rollback")   # skip the update | restore
+                                      # the last good checkpoint and skip the batches since it
+    spike_window: int = ranged(32, lo=4)          # accepted losses the detector compares with
+    spike_method: str = one_of("zscore", "zscore", "ratio")
+    spike_threshold: float = positive(6.0)        # z-score above the window mean, or loss/mean
+    max_rollbacks: int = nonneg(3)                # more rollbacks than this stop the run
+    # supervision (jaxscale.train.supervise): per-process step times and a hang watchdog
+    straggler_every: int = nonneg(50)             # gather every process's step time every N
+                                      # steps (0: never; one process: nothing to compare)
+    straggler_factor: float = ranged(1.5, above=1)   # slower than the median by this: named
+    hang_factor: float = ranged(10.0, above=1)    # no step within this x the median step time
+    hang_min_s: float = positive(300.0)           # ... nor within this many seconds: a hang
     teacher: str = ""                 # distillation: the teacher's run or checkpoint dir
     distill_temperature: float = positive(1.0)   # softmax temperature T of the KL term
     distill_alpha: float = ranged(0.5, lo=0, hi=1)   # loss = a T^2 KL + (1 - a) CE

@@ -178,7 +178,8 @@ def test_bad_inputs_name_the_field_and_the_fix(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- kill -9
 def test_kill_mid_step_then_resume_gives_the_uninterrupted_losses(tmp_path):
-    from jaxscale.train.loop import read_metrics, train
+    from jaxscale.train.loop import train
+    from jaxscale.train.metrics import read_metrics
     ov = (*NVME, "train.steps=4", "ckpt.every=2", "ckpt.async_save=false", "train.log_every=1")
     killed = textwrap.dedent(f"""
         import os, signal, sys

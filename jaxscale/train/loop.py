@@ -28,15 +28,11 @@ good checkpoint, and raises `TrainingStopped` naming it.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxscale import config as config_lib
 from jaxscale import hardware
@@ -45,74 +41,13 @@ from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train import disk
 from jaxscale.train.grads import DISTILL_METRICS, MOE_METRICS
+from jaxscale.train.metrics import MetricsWriter, plot_loss, read_metrics
+from jaxscale.train.preemption import Preemption
 from jaxscale.train.setup import build
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite policy `stop`); the message says what is kept."""
-
-
-class MetricsWriter:
-    """metrics.jsonl (one object per line) and TensorBoard event files in the run directory.
-
-    `resume_step=s` keeps the rows with step <= s (rewritten atomically) and appends after them;
-    TensorBoard is told to purge events after step s."""
-
-    def __init__(self, out: Path, resume_step: int | None = None):
-        self.out = out
-        self._jsonl = None
-        self._tb = None
-        self.kept: list[dict] = []
-        if jax.process_index() == 0:
-            path = out / "metrics.jsonl"
-            if resume_step is not None and path.exists():
-                self.kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
-                tmp = path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
-                os.replace(tmp, path)
-            self._jsonl = open(path, "a" if resume_step is not None else "w")
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(out / "tb"), purge_step=(
-                resume_step + 1 if resume_step is not None else None))
-
-    def write(self, row: dict) -> None:
-        if self._jsonl is None:
-            return
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self._tb.add_scalar(k, v, row["step"])
-
-    def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._tb.close()
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def plot_loss(rows: list[dict], path: Path, title: str = "") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="held-out loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def evaluate(setup, params, batches: Batches, n: int) -> float:
@@ -122,48 +57,6 @@ def evaluate(setup, params, batches: Batches, n: int) -> float:
         s, c = setup.eval_step(params, batches.device_batch(i, sh))
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
-
-
-class Preemption:
-    """SIGTERM/SIGINT: the first stops the loop after the current step; a second exits now."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        return False
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signum is not None:
-            print(f"\njaxscale train: second signal ({name}): exiting now; finalized "
-                  f"checkpoints are untouched, an unfinished save is discarded on resume",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        self.signum = signum
-        print(f"\njaxscale train: {name} received: finishing this step, then saving a checkpoint "
-              f"(send it again to exit at once)", file=sys.stderr, flush=True)
-
-    @property
-    def name(self) -> str | None:
-        return signal.Signals(self.signum).name if self.signum is not None else None
-
-    def agreed(self) -> bool:
-        """Whether any process was signalled: all processes take the same decision each step."""
-        flag = self.signum is not None
-        if jax.process_count() == 1:
-            return flag
-        from jax.experimental import multihost_utils
-        return bool(np.any(multihost_utils.process_allgather(np.array([int(flag)], np.int32))))
 
 
 def _say(msg: str) -> None:
