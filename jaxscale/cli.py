@@ -69,13 +69,17 @@ def cmd_train(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from jaxscale.launch import launch
+    from jaxscale.launch import Run, launch
+    from jaxscale.launch.restarts import check_arguments
     command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
-    if command[:1] == ["train"]:     # check the command here, before any process starts
-        inner = parser().parse_args(command)
-        _load(inner, out=_train_out(inner), checkpoints=True, data=True)
+    check_arguments(command, args.processes, args.max_restarts, args.elastic)
+    # check the command here, before any process starts
+    inner = parser().parse_args(command)
+    cfg = _load(inner, out=_train_out(inner), checkpoints=True, data=True)
     return launch(command, processes=args.processes, local_devices=args.local_devices,
-                  port=args.port, heartbeat=args.heartbeat_timeout)
+                  port=args.port, heartbeat=args.heartbeat_timeout,
+                  max_restarts=args.max_restarts, elastic=args.elastic,
+                  run=Run.of(cfg, inner.out))
 
 
 def cmd_inspect(args) -> int:
@@ -285,6 +289,13 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--heartbeat-timeout", type=arg(lo=1), default=30,
                     help="seconds before the coordination service declares a silent process "
                          "dead and stops the others (default 30)")
+    la.add_argument("--max-restarts", type=arg(lo=0), default=0,
+                    help="restart the run from its last checkpoint (--resume) up to N times "
+                         "after a process dies or the run hangs (train.hang_factor, "
+                         "train.hang_min_s; stacks are dumped first) (default 0)")
+    la.add_argument("--elastic", action="store_true",
+                    help="after a process is lost, restart on one process fewer, on the same "
+                         "plan where a -1 mesh degree absorbs it, else the nearest mesh that fits")
     la.add_argument("command_argv", nargs=argparse.REMAINDER,
                     help="-- then the jaxscale command, e.g. -- train llama_tiny --steps 20")
     la.set_defaults(func=cmd_launch)

@@ -99,6 +99,12 @@ CASES = {
     "unknown key": (["plan", "--set", "plan.zeroo=1"], "unknown config key 'plan.zeroo'"),
     "unknown benchmark": (["bench", "nccl"], "unknown benchmark 'nccl'"),
     "launch without train": (["launch", "--", "inspect", T], "give the command to run after --"),
+    "max restarts negative": (["launch", "--max-restarts", "-1", "--", "train", T],
+                              "argument --max-restarts: invalid value '-1'"),
+    "elastic one process": (["launch", "--processes", "1", "--elastic", "--max-restarts", "1",
+                             "--", "train", T], "--elastic restarts on the processes left"),
+    "elastic without restarts": (["launch", "--elastic", "--", "train", T],
+                                 "--elastic acts on a restart: give --max-restarts N"),
     # ---- missing path
     "no such experiment": (["inspect", "{tmp}/nothere.py"],
                            "unknown experiment '{tmp}/nothere.py'"),
