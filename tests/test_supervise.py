@@ -1,0 +1,346 @@
+"""Supervised runs: the in-process monitor (heartbeats, the hang watchdog and its exit status, a
+lost peer, the straggler report over a real `process_allgather`), the launcher's restarts, hang
+detection with stack dumps and elastic mesh choice, tested on small fake training programs; and
+one end-to-end run of `jaxscale launch --max-restarts 1 -- train` with a killed process."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxscale import config as config_lib
+from jaxscale.cli import main as cli_main
+from jaxscale.launch import Run, launch
+from jaxscale.launch.elastic import choose_mesh
+from jaxscale.train import supervise
+from tests.helpers import SMALL_ARGS, subprocess_env
+
+
+def train_cfg(**kw):
+    base = dict(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=300.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------- the monitor
+def test_hang_limit_floor_median_and_first_step():
+    assert supervise.hang_limit(None, False, 10, 300) == supervise.STARTUP_FACTOR * 300
+    assert supervise.hang_limit(None, True, 10, 300) == 300
+    assert supervise.hang_limit(2.0, True, 10, 300) == 300
+    assert supervise.hang_limit(40.0, True, 10, 300) == 400
+
+
+def test_heartbeat_and_straggler_report_from_mean_step_times(tmp_path, capsys):
+    sent = []
+
+    def gather(x):                     # three processes: process 1 three times slower
+        sent.append(x)
+        return [x, 3 * x, 1.1 * x]
+    mon = supervise.Monitor(train_cfg(straggler_every=3), tmp_path, 0, process=0, processes=3,
+                            gather=gather, supervisor="launch")
+    assert mon.stepped(1, 9.0) == {}                   # compilation: not a step time
+    assert mon.stepped(2, 0.1) == {}
+    row = mon.stepped(3, 0.3)
+    assert sent == [pytest.approx(0.2)]                # the mean since the start, step 1 left out
+    assert row["step_time_by_process"] == pytest.approx([0.2, 0.6, 0.22])
+    assert row["straggler"] == {"1": pytest.approx(0.6)}
+    assert "straggler at step 3: process 1" in capsys.readouterr().err
+    for s, t in ((4, 0.2), (5, 0.2)):
+        assert mon.stepped(s, t) == {}
+    assert "straggler" in mon.stepped(6, 0.2) and sent[-1] == pytest.approx(0.2)
+    mon.close()
+    hb = supervise.read_heartbeats(tmp_path)[0]
+    assert hb["step"] == 6 and hb["closed"] and hb["pid"] == os.getpid()
+    assert hb["median_s"] == pytest.approx(0.2) and hb["limit_s"] == 300.0
+    one = supervise.Monitor(train_cfg(straggler_every=1), tmp_path, 0, process=0, processes=1,
+                            gather=lambda x: pytest.fail("one process gathers nothing"))
+    assert one.stepped(1, 1.0) == {} and one.stepped(2, 1.0) == {}
+    one.close()
+
+
+WATCHED = r"""
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from jaxscale.train import supervise
+
+def stuck_in_a_collective():
+    time.sleep(60)
+
+cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=0.5)
+with supervise.Monitor(cfg, Path(sys.argv[1]), 0, process=0, processes=1, supervisor="") as m:
+    for step in range(1, 4):
+        m.stepped(step, 0.01)
+    if sys.argv[2] == "hang":
+        stuck_in_a_collective()
+    raise ValueError(sys.argv[3])
+"""
+GLOO = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read "
+        "error [127.0.0.1]:58257: Connection reset by peer")
+
+
+def test_watchdog_dumps_its_stack_and_exits_restartable(tmp_path):
+    r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path), "hang", ""],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == supervise.EXIT_RESTARTABLE == 75, r.stderr
+    stacks = supervise.stack_path(tmp_path, 0)
+    assert "after step 3" in r.stderr and str(stacks) in r.stderr
+    assert "stuck_in_a_collective" in stacks.read_text()
+
+
+def test_a_lost_peer_exits_restartable_other_errors_do_not(tmp_path):
+    assert supervise.peer_lost(ValueError(GLOO)) and not supervise.peer_lost(ValueError("x"))
+    r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path), "fail", GLOO],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == supervise.EXIT_RESTARTABLE, r.stderr
+    assert "lost a peer" in r.stderr
+    r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path), "fail", "a bug"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "ValueError: a bug" in r.stderr
+
+
+# ----------------------------------------------------------------------------- the launcher
+#: a training process stand-in: records its attempt, steps 3 times under a Monitor, then does
+#: what FAKE_PLAN says for this attempt
+FAKE = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from jaxscale.train import supervise
+
+def stuck_in_a_collective():
+    time.sleep(60)
+
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out") + 1])
+i, n = int(os.environ["JAXSCALE_PROCESS_ID"]), int(os.environ["JAXSCALE_NUM_PROCESSES"])
+supervise.register_stack_dump(os.environ["JAXSCALE_STACK_FILE"])
+log = out / f"attempts-{i}.jsonl"
+attempt = len(log.read_text().splitlines()) if log.exists() else 0
+with open(log, "a") as f:
+    f.write(json.dumps({"n": n, "argv": argv, "port": os.environ["JAXSCALE_COORDINATOR"]}) + "\n")
+what = json.loads(os.environ["FAKE_PLAN"])[attempt]
+if what == "refused":
+    sys.exit(2)
+cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=1.0)
+mon = supervise.Monitor(cfg, out, 0, process=i, processes=n)
+for step in range(1, 4):
+    time.sleep(0.02)
+    mon.stepped(step, 0.02)
+ckpt = out / "checkpoints" / "3"
+if what == "ckpt" and i == 0:
+    ckpt.mkdir(parents=True)
+if what in ("die", "ckpt") and i == n - 1:
+    while what == "ckpt" and not ckpt.exists():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+if what in ("die", "ckpt", "hang"):
+    stuck_in_a_collective()
+mon.close()
+"""
+
+
+def fake_launch(tmp_path, monkeypatch, plan, processes=2, cfg=None, **kw):
+    monkeypatch.setenv("FAKE_PLAN", json.dumps(plan))
+    out = tmp_path / "run"
+    out.mkdir(exist_ok=True)
+    run = Run(out, out / "checkpoints", cfg, hang_min_s=1.0)
+    rc = launch(["train", "fake", "--out", str(out)], processes=processes, local_devices=4,
+                run=run, program=[sys.executable, "-c", FAKE], **kw)
+    attempts = [[json.loads(x) for x in (out / f"attempts-{i}.jsonl").read_text().splitlines()]
+                for i in range(processes) if (out / f"attempts-{i}.jsonl").exists()]
+    return rc, out, attempts
+
+
+def test_a_dead_process_restarts_from_the_checkpoint_on_a_fresh_port(tmp_path, monkeypatch,
+                                                                    capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["ckpt", "ok"], max_restarts=2)
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    first, second = attempts[0]
+    assert "--resume" not in first["argv"] and second["argv"][-1] == "--resume"
+    assert first["port"] != second["port"]
+    assert re.search(r"restart 1 of 2 after process 1 \(pid \d+\) was killed by SIGKILL; "
+                     r"resuming from checkpoint step 3", err), err
+
+
+def test_without_a_checkpoint_it_starts_again_then_gives_up(tmp_path, monkeypatch, capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["die", "die"], max_restarts=1)
+    err = capfd.readouterr().err
+    assert rc == 128 + signal.SIGKILL, err
+    assert [a["argv"] for a in attempts[0]] == [["train", "fake", "--out", str(out)]] * 2
+    assert "restart 1 of 1 after process 1" in err and "starting from scratch" in err
+    assert "giving up after 1 restart(s) (--max-restarts 1)" in err
+
+
+def test_a_refused_command_is_not_restarted(tmp_path, monkeypatch, capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["refused", "ok"], max_restarts=3)
+    assert rc == 2 and len(attempts[0]) == 1
+    assert "not restarted, as the command was refused" in capfd.readouterr().err
+
+
+def test_a_hang_dumps_every_stack_then_restarts(tmp_path, monkeypatch, capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["hang", "ok"], max_restarts=1)
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    files = [supervise.stack_path(out, i) for i in range(2)]
+    assert re.search(r"a hang: process \d completed no step for [\d.]+ s after step 3", err), err
+    assert all(str(f) in err for f in files) and "restart 1 of 1 after a hang" in err
+    for f in files:
+        text = f.read_text()
+        assert "jaxscale launch: a hang" in text and "stuck_in_a_collective" in text
+
+
+def small_llama(*overrides):
+    cfg = config_lib.load_experiment("llama_tiny")
+    return config_lib.apply_overrides(cfg, ["model.n_layers=2", "data.seq_len=32",
+                                            "data.batch_size=8", *overrides])
+
+
+def test_elastic_restarts_on_one_process_fewer_on_the_nearest_mesh(tmp_path, monkeypatch, capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["die", "ok"], cfg=small_llama(),
+                                    max_restarts=1, elastic=True)
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    assert [a["n"] for a in attempts[0]] == [2, 1] and len(attempts[1]) == 1
+    assert attempts[0][1]["argv"][-2:] == ["--set", "mesh.dp=1"]
+    assert "the nearest that does: fsdp=2 x tp=2 (--set mesh.dp=1)" in err
+
+
+def test_elastic_stops_when_the_batch_does_not_divide(tmp_path, monkeypatch, capfd):
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["die", "ok"], processes=3,
+                                    cfg=small_llama("data.batch_size=9"), max_restarts=1,
+                                    elastic=True)
+    assert rc == 128 + signal.SIGKILL and len(attempts[0]) == 1
+    assert "data.batch_size=9 does not divide among 2 processes" in capfd.readouterr().err
+
+
+def test_elastic_mesh_choice():
+    was = {"dp": 2, "fsdp": 2, "tp": 2}
+    same = choose_mesh(small_llama("mesh.dp=-1"), 4, 1, 8, 2)
+    assert same.same and same.overrides == [] and same.degrees["dp"] == 1
+    hybrid = choose_mesh(small_llama("mesh.dp=-1", "mesh.dcn_dp=2"), 4, 1, 8, 2)
+    assert hybrid.same and hybrid.overrides == ["mesh.dcn_dp=1"]
+    near = choose_mesh(small_llama(), 4, 1, 8, 2)
+    assert not near.same and near.overrides == ["mesh.dp=1"]
+    assert "nearest that does: fsdp=2 x tp=2" in near.describe(was)
+    with pytest.raises(ValueError, match="no mesh for 6 devices fits"):
+        choose_mesh(small_llama(), 6, 3, 8, 2)         # batch 8, 8 heads: nothing divides by 3
+
+
+#: two real JAX processes, one CPU device each; process 1 reports slower steps
+GATHERED = r"""
+import json, os, sys
+from pathlib import Path
+from types import SimpleNamespace
+from jaxscale.launch import initialize_from_env
+initialize_from_env()
+import jax
+from jaxscale.train import supervise
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+cfg = SimpleNamespace(straggler_every=2, straggler_factor=1.5, hang_factor=10.0, hang_min_s=60.0)
+rows = []
+with supervise.Monitor(cfg, out, 0) as mon:
+    for step in range(1, 5):
+        rows.append(mon.stepped(step, 0.1 * (1 + 2 * jax.process_index())))
+(out / f"rows-{jax.process_index()}.json").write_text(json.dumps(rows))
+"""
+
+
+def test_straggler_report_over_process_allgather(tmp_path, capfd):
+    out = tmp_path / "run"
+    out.mkdir()
+    rc = launch(["train", "gathered", "--out", str(out)], processes=2, local_devices=1,
+                run=Run(out, out / "checkpoints", None, 60.0),
+                program=[sys.executable, "-c", GATHERED])
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    rows = [json.loads((out / f"rows-{i}.json").read_text()) for i in range(2)]
+    assert rows[0] == rows[1]
+    assert rows[0][0] == {} and rows[0][2] == {}
+    for row in (rows[0][1], rows[0][3]):
+        assert row["step_time_by_process"] == pytest.approx([0.1, 0.3])
+        assert row["straggler"] == {"1": pytest.approx(0.3)}
+    assert err.count("straggler at step") == 2 and "[process 1] jaxscale train: straggler" \
+        not in err                                     # named by process 0 only
+
+
+#: two real JAX processes without the launcher; process 1 dies between two collectives
+PEER = r"""
+import os, signal, sys
+from pathlib import Path
+from types import SimpleNamespace
+from jaxscale.launch import initialize_from_env
+initialize_from_env()
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jaxscale.train import supervise
+cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=60.0)
+with supervise.Monitor(cfg, Path(sys.argv[1]), 0) as mon:
+    for step in range(1, 1000):
+        multihost_utils.process_allgather(np.float32(step))
+        mon.stepped(step, 0.01)
+        if step == 5 and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_real_lost_peer_exits_restartable_at_once(tmp_path):
+    from jaxscale.launch import _child_env, free_port
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)],
+                              env=_child_env(i, 2, port, 1, heartbeat=30, prefix=""),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        err = procs[0].communicate(timeout=25)[1]      # well inside the 30 s heartbeat timeout
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == supervise.EXIT_RESTARTABLE, err[-3000:]
+    assert "process 0 lost a peer" in err
+
+
+# ----------------------------------------------------------------------------- end to end
+# The one real run (slow: ~3 compilations): `jaxscale launch --processes 2 --max-restarts 1`;
+# process 1 is stopped after the first checkpoint and killed; the restarted run resumes and
+# ends with the uninterrupted one-process run's loss.
+def test_end_to_end_a_killed_process_is_restarted_and_the_run_finishes(tmp_path_factory):
+    steps = 8
+
+    def train(out, every):
+        return ["train", "llama_tiny", "--steps", str(steps), "--out", str(out), *SMALL_ARGS,
+                "--set", f"ckpt.every={every}"]
+    ref = tmp_path_factory.mktemp("uninterrupted")
+    assert cli_main(train(ref, 0)) == 0               # in this process: 8 devices
+    out = tmp_path_factory.mktemp("restarted")
+    err_path = out.parent / "launch.err"
+    with open(err_path, "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "jaxscale.cli", "launch", "--processes", "2",
+                              "--max-restarts", "1", "--", *train(out, 2)],
+                             env=subprocess_env(tmp_path_factory), stdout=subprocess.DEVNULL,
+                             stderr=err_file)
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "2").is_dir():
+            assert p.poll() is None, err_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 2"
+            time.sleep(0.01)
+        pid = int(re.search(r"pids \d+ (\d+)", err_path.read_text()).group(1))
+        os.kill(pid, signal.SIGSTOP)                   # no further step, then the kill
+        os.kill(pid, signal.SIGKILL)
+        assert p.wait(300) == 0, err_path.read_text()[-3000:]
+    err = err_path.read_text()
+    assert re.search(r"restart 1 of 1 after process 1 \(pid \d+\) was killed by SIGKILL; "
+                     r"resuming from checkpoint step \d+", err), err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == list(range(1, steps + 1))
+    np.testing.assert_allclose(rows[-1]["loss"], want[-1]["loss"], rtol=1e-5)
