@@ -1,6 +1,7 @@
 """Token shards and the streamed, packed pipeline: formats (text, jsonl, parquet), every document
-once per epoch across processes, exact resume, packed losses equal to one-by-one losses, flat
-memory on a corpus larger than a memory cap, and clear errors before training."""
+once per epoch, processes splitting rows, exact O(1) resume under any process count, packed
+losses equal to one-by-one losses, flat memory on a corpus larger than a memory cap, and clear
+errors before training."""
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from jaxscale.config import Config, DataConfig, data_problems
 from jaxscale.data import make_batches, shards, tokenizer
-from jaxscale.data.stream import Chunks, PackedBatches, pipeline
+from jaxscale.data.stream import PACK_BINS, PackedBatches, Stream
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha beta gamma délta ε ζήτα 日本語 código naïve jax 🙂 loss step".split()
@@ -69,39 +70,61 @@ def test_prepare_reads_every_format_and_round_trips(prepared, corpus, tmp_path):
                                                                   tok=bpe)) == sorted(docs)
 
 
-def test_chunks_cover_a_long_document():
+class _Doc:
+    """A source of one document: what `Stream` reads of `TokenShards`."""
+
+    def __init__(self, doc):
+        self.doc = doc
+
+    def __len__(self):
+        return 1
+
+    def length(self, i):
+        return len(self.doc)
+
+    def read(self, i, start=0, stop=None):
+        return self.doc[start:stop]
+
+
+def test_pieces_cover_a_long_document():
     doc = np.arange(23)
-    ex = Chunks(8).flat_map(doc)
-    assert [len(e["inputs"]) for e in ex] == [8, 8, 6]
-    assert np.array_equal(np.concatenate([e["inputs"] for e in ex]), doc[:-1])
-    assert np.array_equal(np.concatenate([e["targets"] for e in ex]), doc[1:])
+    st = Stream(_Doc(doc), 8, seed=0, epochs=1)
+    rows = [row for row, _ in st.rows()]
+    assert [[n for _, _, n in r] for r in rows] == [[8], [8], [6]]     # one piece per row
+    got = [st.read(r) for r in rows]
+    assert np.array_equal(np.concatenate([g["inputs"][g["mask"] > 0] for g in got]), doc[:-1])
+    assert np.array_equal(np.concatenate([g["targets"][g["mask"] > 0] for g in got]), doc[1:])
 
 
-def _segments(rows) -> list[tuple]:
-    """Each packed segment as its document's tokens (inputs + the last target)."""
-    out = []
-    for r in rows:
-        for b in range(r["inputs"].shape[0]) if r["inputs"].ndim == 2 else [None]:
-            inp, tgt, seg = ((r["inputs"], r["targets"], r["inputs_segment_ids"]) if b is None
-                             else (r["inputs"][b], r["targets"][b], r["inputs_segment_ids"][b]))
-            for s in np.unique(seg[seg > 0]):
-                out.append(tuple(inp[seg == s]) + (tgt[seg == s][-1],))
-    return out
+def _pieces(src, seed, epochs=1, seq_len=48) -> list[tuple]:
+    return [(d, lo) for row, _ in Stream(src, seq_len, seed, epochs).rows() for d, lo, _ in row]
 
 
-def test_two_processes_see_every_document_once_per_epoch(prepared):
+def _every_piece(src, seq_len=48) -> list[tuple]:
+    return sorted((i, k * seq_len) for i in range(len(src))
+                  for k in range(-(-(src.length(i) - 1) // seq_len)))
+
+
+def test_every_piece_once_per_epoch_and_processes_split_rows(prepared):
     out, _ = prepared
     src = shards.TokenShards(out, "train")
-    docs = sorted(tuple(src[i]) for i in range(len(src)))
-    seen = [_segments(pipeline(src, 256, 4, seed=5, process_index=p, process_count=2,
-                               batch=False, epochs=1)) for p in range(2)]
-    assert abs(len(seen[0]) - len(seen[1])) <= 1
-    assert sorted(seen[0] + seen[1]) == docs                # each exactly once, none lost
-    assert not set(seen[0]) & set(seen[1])
-    # epoch 2 is a different order; a different seed too
-    two = _segments(pipeline(src, 256, 4, seed=5, batch=False, epochs=2))
-    assert sorted(two) == sorted(docs * 2) and two[:len(docs)] != two[len(docs):]
-    assert _segments(pipeline(src, 256, 4, seed=6, batch=False, epochs=1)) != two[:len(docs)]
+    one = _pieces(src, seed=5)
+    assert sorted(one) == _every_piece(src)                 # each exactly once, none lost
+    assert sorted(_pieces(src, seed=5, epochs=2)) == sorted(one * 2)
+    order = Stream(src, 48, seed=5).order
+    n = len(src)
+    assert [order[g] for g in range(n)] != [order[g] for g in range(n, 2 * n)]   # a new order
+    assert [d for d, _ in _pieces(src, seed=6)] != [d for d, _ in one]  # another seed
+    # processes keep consecutive rows of one global batch, and read only those
+    ref = PackedBatches(out, "train", 8, 48, seed=3, process_index=0, process_count=1)
+    whole = [ref.local_rows(i) for i in range(5)]
+    for n in (2, 4):
+        parts = [PackedBatches(out, "train", 8, 48, seed=3, process_index=p, process_count=n)
+                 for p in range(n)]
+        for i in range(5):
+            got = [b.local_rows(i) for b in parts]
+            for k in whole[i]:
+                assert np.array_equal(np.concatenate([g[k] for g in got]), whole[i][k])
 
 
 def test_packed_rows_carry_positions_segments_and_mask(prepared):
@@ -119,27 +142,47 @@ def test_packed_rows_carry_positions_segments_and_mask(prepared):
     assert r["mask"].mean() > 0.7
 
 
-def test_resume_gives_identical_batches(prepared):
+def test_resume_is_exact_and_o1_under_any_process_count(prepared):
     out, _ = prepared
 
-    def make(p):
-        return PackedBatches(out, "train", 8, 48, seed=3, process_index=p, process_count=2)
-    for p in range(2):
-        a = make(p)
-        first = [a.local_rows(i) for i in range(3)]
-        state = json.loads(json.dumps(a.state()))            # what a checkpoint would hold
-        rest = [a.local_rows(i) for i in range(3, 12)]       # crosses an epoch boundary
-        b = make(p)
-        b.restore(state)
-        again = [b.local_rows(i) for i in range(3, 12)]
-        c = make(p)                                          # no state: replays to step 7
-        replay = c.local_rows(7)
-        for x, y in zip(rest, again):
-            assert all(np.array_equal(x[k], y[k]) for k in x)
-        assert all(np.array_equal(rest[4][k], replay[k]) for k in replay)
-        assert all(np.array_equal(first[1][k], c.local_rows(1)[k]) for k in replay)   # back
-    with pytest.raises(ValueError, match="process 0 of 2; this is process 1 of 2"):
-        make(1).restore(make(0).state())
+    def make(p=0, n=1, batch=8):
+        return PackedBatches(out, "train", batch, 48, seed=3, process_index=p, process_count=n)
+    a = make()
+    first = [a.local_rows(i) for i in range(3)]
+    state = json.loads(json.dumps(a.state()))               # what a checkpoint holds
+    rest = [a.local_rows(i) for i in range(3, 40)]          # crosses epoch boundaries
+    for n in (1, 2, 4):                                     # saved by 1 process, resumed by n
+        parts = [make(p, n) for p in range(n)]
+        for b in parts:
+            b.restore(state)
+        for i, want in enumerate(rest, 3):
+            got = [b.local_rows(i) for b in parts]
+            assert all(np.array_equal(np.concatenate([g[k] for g in got]), want[k])
+                       for k in want)
+    half = make(batch=4)                                    # another global batch: same rows
+    half.restore(state)
+    assert np.array_equal(half.local_rows(3)["inputs"], rest[0]["inputs"][:4])
+    assert np.array_equal(half.local_rows(4)["inputs"], rest[0]["inputs"][4:])
+    c = make()                                              # no state: replays to step 7
+    assert all(np.array_equal(rest[4][k], v) for k, v in c.local_rows(7).items())
+    assert all(np.array_equal(first[1][k], v) for k, v in c.local_rows(1).items())   # back
+
+    def restore_cost(step):              # lengths read to resume at `step` and read it
+        ref = make()
+        ref.global_pieces(step - 1)
+        b = make()
+        b.restore(json.loads(json.dumps(ref.state())))
+        b.local_rows(step)
+        return b.stream.lengths_read
+    replay = make()
+    replay.local_rows(300)
+    early, late = restore_cost(20), restore_cost(300)
+    assert late <= 2 * early + PACK_BINS and 10 * late < replay.stream.lengths_read
+    with pytest.raises(ValueError, match="seq_len 48 there, 32 here"):
+        PackedBatches(out, "train", 8, 32, seed=3, process_index=0, process_count=1).restore(
+            state)
+    with pytest.raises(ValueError, match="data.batch_size=6 must be divisible by the 4"):
+        make(0, 4, batch=6)
 
 
 def test_packed_batch_losses_equal_one_by_one(prepared):
@@ -222,6 +265,32 @@ def test_packed_batches_train_through_the_step_and_the_pipeline(prepared):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()))
 
 
+def test_a_streamed_run_resumes_from_the_data_state_in_its_checkpoint(prepared, tmp_path,
+                                                                      monkeypatch):
+    """The checkpoint holds the stream's position: a resumed run reads no batch twice (no replay
+    of the stream) and its losses are the uninterrupted run's, bitwise."""
+    from jaxscale.analysis.validation import tiny_config
+    from jaxscale.train import loop
+    from jaxscale.train.metrics import read_metrics
+    out, _ = prepared
+    taken = []
+    real = PackedBatches._take
+    monkeypatch.setattr(PackedBatches, "_take", lambda self: taken.append(self.split) or
+                        real(self))
+    common = (f"data.shards={out}", "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "ckpt.every=3",
+              "ckpt.async_save=false")
+    loop.train(tiny_config(*common, "train.steps=6"), tmp_path / "a", progress=False)
+    loop.train(tiny_config(*common, "train.steps=3"), tmp_path / "b", progress=False)
+    meta = json.loads((tmp_path / "b" / "checkpoints" / "3" / "meta" / "metadata").read_text())
+    assert meta["data_state"]["step"] == 3 and meta["data_position"] == 3
+    taken.clear()
+    summary = loop.train(tiny_config(*common, "train.steps=6"), tmp_path / "b", progress=False,
+                         resume=True)
+    assert taken == ["train"] * 3 and summary["data_position"] == 6      # steps 4-6, no replay
+    a, b = (read_metrics(tmp_path / x / "metrics.jsonl") for x in "ab")
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+
+
 def test_bad_inputs_are_reported_before_training(prepared, corpus, tmp_path):
     out, _ = prepared
     d, _ = corpus
@@ -275,16 +344,15 @@ def test_cli_prepare_train_tokenizer_and_refusals(corpus, tmp_path, capsys):
 
 FLAT = textwrap.dedent("""
     import json, sys, numpy as np
-    from jaxscale.data.stream import pipeline
+    from jaxscale.data.stream import Stream
     from jaxscale.data.shards import TokenShards
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
-    src = TokenShards(sys.argv[1], "train")
-    it = iter(pipeline(src, 1024, 16, seed=0, epochs=1))
+    st = Stream(TokenShards(sys.argv[1], "train"), 1024, seed=0, epochs=1)
     n, marks = 0, []
-    for i, b in enumerate(it):
-        n += int((b["targets_segment_ids"] > 0).sum())
-        if i % 50 == 0:
+    for i, (row, _) in enumerate(st.rows()):
+        n += int(st.read(row)["mask"].sum())
+        if i % 800 == 0:
             marks.append(rss())
     print(json.dumps({"tokens": n, "rss": marks}))
 """)
@@ -306,8 +374,8 @@ def test_streams_a_corpus_larger_than_a_memory_cap(tmp_path):
     size = sum(p.stat().st_size for p in (tmp_path / "s").glob("train-*.tokens"))
     cap = 6 * 2**20
     assert size > 3 * cap
-    # two malloc arenas: under CPU load glibc gives the pipeline's threads arenas of their own
-    # whose freed buffers stay resident (RSS grew 7-9 MiB that way with three busy cores' load)
+    # two malloc arenas: under CPU load glibc may give threads arenas of their own whose freed
+    # buffers stay resident
     r = subprocess.run([sys.executable, "-c", FLAT, str(tmp_path / "s")], capture_output=True,
                        text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin",
                                                  "MALLOC_ARENA_MAX": "2"})

@@ -11,9 +11,10 @@ dtype, the source, and per split its shards with their document and token counts
 to the held-out split by a hash of their id (`documents.is_heldout`), as in the in-memory path.
 
 `TokenShards(directory, split)` is a random-access source (`len`, `[i]` -> int32 tokens of
-document i) for Grain: it keeps only the manifest's per-shard counts in memory and reads each
-document with two `os.pread` calls (its two offsets, then its tokens), so memory does not grow
-with the corpus (no memory map either: mapped pages would count in the process's RSS).
+document i, `length(i)`, `read(i, start, stop)`): it keeps only the manifest's per-shard counts
+in memory and reads a document's length with one `os.pread` (its two offsets) and its tokens with
+another, so memory does not grow with the corpus (no memory map either: mapped pages would count
+in the process's RSS).
 """
 from __future__ import annotations
 
@@ -155,24 +156,35 @@ class TokenShards:
                             os.open(self.dir / s["tokens"], os.O_RDONLY))
         return self._fds[k]
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def _offsets(self, i: int) -> tuple[int, int, int]:
+        """(shard, first token, end) of document i: one pread of its two index entries."""
         i = int(i)
         if not 0 <= i < len(self):
             raise IndexError(f"document {i} of {len(self)}")
         k = bisect.bisect_right(self._starts, i) - 1
-        index_fd, tokens_fd = self._fd(k)
-        lo, hi = np.frombuffer(os.pread(index_fd, 16, 8 * (i - self._starts[k])), "<i8")
+        lo, hi = np.frombuffer(os.pread(self._fd(k)[0], 16, 8 * (i - self._starts[k])), "<i8")
+        return k, int(lo), int(hi)
+
+    def length(self, i: int) -> int:
+        """Tokens in document i (its index entries only)."""
+        _, lo, hi = self._offsets(i)
+        return hi - lo
+
+    def read(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Tokens [start, stop) of document i (default: all) as int32."""
+        k, lo, hi = self._offsets(i)
+        stop = hi - lo if stop is None else min(stop, hi - lo)
         size = self.dtype.itemsize
-        raw = os.pread(tokens_fd, int(hi - lo) * size, int(lo) * size)
+        raw = os.pread(self._fd(k)[1], (stop - start) * size, (lo + start) * size)
         return np.frombuffer(raw, self.dtype).astype(np.int32)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.read(i)
 
     def lengths(self) -> np.ndarray:
         """Every document's length (reads the index files: tests and statistics)."""
         return np.concatenate([np.diff(np.fromfile(self.dir / s["index"], "<i8"))
                                for s in self._shards])
-
-    def __getstate__(self):        # Grain may copy the source into worker processes
-        return {**self.__dict__, "_fds": {}}
 
     def __del__(self):
         for fds in getattr(self, "_fds", {}).values():

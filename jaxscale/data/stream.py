@@ -1,30 +1,32 @@
-"""Streamed, packed, host-sharded batches from token shards, on Grain.
+"""Streamed, packed batches from token shards: one global packing, split between processes by rows.
 
-The pipeline (one per split and process), every stage a Grain dataset:
+The stream of one split is the same on every process and is decided from document lengths alone:
 
-    MapDataset.source(TokenShards)      document i -> its tokens [BOS] ids [EOS] (two preads)
-      .seed(seed).shuffle()             a fresh permutation each epoch (Feistel index shuffle:
-      .repeat()                         O(1) memory, random access), epochs back to back
-      [p::n]                            process p takes every n-th document of the global order
-      .to_iter_dataset()
-    FlatMapIterDataset(Chunks(T))       a document of m tokens -> ceil((m-1)/T) examples of at
-                                        most T (input, target) pairs; a chunk's positions
-                                        restart at 0
-    FirstFitPackIterDataset(bins)       first-fit packing into rows of T: adds segment ids
-                                        (1, 2, ... per row; 0 = padding) and positions
-      .batch(local_batch)
+    order     global index g -> document `grain.MapDataset.range(N).seed(s).shuffle().repeat()[g]`
+              (a fresh Feistel permutation each epoch: O(1) memory, random access)
+    pieces    a document of m tokens -> ceil((m - 1) / T) pieces of at most T (input, target)
+              pairs; consecutive pieces share one token; a piece's positions restart at 0
+    rounds    first-fit packing of the pieces into PACK_BINS rows of T; a round closes when a
+              piece fits no row (that piece opens the next round); rows leave in bin order
+    batches   batch i is the next `global_batch` rows; process p of n keeps rows
+              [p B/n, (p+1) B/n) and reads only their tokens (two preads per piece)
 
-Every document of an epoch goes to exactly one process and is read once; within a process,
-memory holds one document and one round of packing bins, whatever the corpus size. A batch row
-carries "inputs", "targets", "mask" (1 on real targets), "positions" (per document, for RoPE) and
-"segment_ids" (attention stays inside its document); a packed row therefore gives each document
-the loss it has alone (tests/test_streaming.py checks it on the tiny model).
+Every process reads the lengths (16 bytes of index per document of a round); the tokens of a row
+are read only by the process that keeps it. Memory holds one round of piece descriptors and this
+process's rows, whatever the corpus size. A row carries "inputs", "targets", "mask" (1 on real
+targets), "positions" (per piece, for RoPE) and "segment_ids" (1, 2, ... per piece, 0 padding;
+attention stays inside its piece), so a packed row gives each document the loss it has alone.
 
-Resume: the iterator's state is a small dict (Grain's: the document index the packing round
-started at, and the rows of it already emitted). `state()` is the state before the next batch;
-`restore(state)` continues from it exactly. `device_batch(i, ...)` also accepts any step i: the
-next one continues the stream, an earlier or later one replays from the nearest known state
-(exact, but costs reading the batches in between; the state in the checkpoint avoids that).
+Data position: `state()` is a small JSON dict: the next batch's index, the round's start (g, piece)
+and the rows of that round already emitted. `restore(state)` rebuilds one round from lengths and
+continues: O(1) in the step, bitwise the batches of the uninterrupted run. The checkpoint holds it.
+
+Resuming under another process count, data-parallel degree or global batch size: processes split
+rows, never documents, and neither the stream nor its position depends on the process count. A
+resumed run therefore sees the rows the uninterrupted run would have seen from that position on,
+only cut into processes (and batches) differently: every document of an epoch is seen once (each
+piece of a long one once), none twice. Another seed, seq_len or shard set is another stream, and
+its state is refused with a message saying which.
 """
 from __future__ import annotations
 
@@ -34,49 +36,66 @@ import numpy as np
 
 from jaxscale.data.shards import TokenShards, read_manifest
 
-#: at least this many packing bins per round (more bins: less padding, more rows held)
-MIN_BINS = 32
+#: rows per packing round (more: less padding, a longer round to rebuild on restore)
+PACK_BINS = 64
+STATE_VERSION = 2
 
 
-class Chunks:
-    """A document of m tokens -> examples {"inputs", "targets"} of at most T pairs each
-    (chunk c covers tokens [cT, cT + T + 1): consecutive chunks share one token)."""
-    max_fan_out = 1 << 20
+class Stream:
+    """The global rows of one split: each row a list of pieces (document, first token, pairs)."""
 
-    def __init__(self, seq_len: int):
-        self.T = seq_len
+    def __init__(self, source: TokenShards, seq_len: int, seed: int, epochs: int | None = None):
+        import grain
+        self.source, self.T, self.seed = source, seq_len, seed
+        self.order = grain.MapDataset.range(len(source)).seed(seed).shuffle().repeat(epochs)
+        self.end = len(source) * epochs if epochs else None
+        self.lengths_read = 0          # documents whose length was read (resume cost)
 
-    def flat_map(self, doc: np.ndarray):
-        n = len(doc) - 1                      # (input, target) pairs
-        return [{"inputs": doc[s:min(s + self.T, n)], "targets": doc[s + 1:min(s + self.T, n) + 1]}
-                for s in range(0, n, self.T)]
+    def pieces(self, g: int, c: int):
+        """(g, c, document, first token, pairs) from the c-th piece of the g-th document on."""
+        while self.end is None or g < self.end:
+            d = int(self.order[g])
+            n = self.source.length(d) - 1
+            self.lengths_read += 1
+            for k in range(c, math.ceil(n / self.T)):
+                yield g, k, d, k * self.T, min(self.T, n - k * self.T)
+            g, c = g + 1, 0
 
+    def round(self, g: int, c: int) -> tuple[list[list[tuple]], tuple[int, int] | None]:
+        """The rows of the round starting at piece (g, c), and where the next round starts
+        (None: the stream ended)."""
+        room = np.full(PACK_BINS, self.T)
+        rows: list[list[tuple]] = [[] for _ in range(PACK_BINS)]
+        for g2, k, d, lo, n in self.pieces(g, c):
+            fits = np.flatnonzero(room >= n)
+            if not len(fits):
+                return rows, (g2, k)
+            rows[fits[0]].append((d, lo, n))
+            room[fits[0]] -= n
+        return [r for r in rows if r], None
 
-def packing_bins(local_batch: int) -> int:
-    """Bins per packing round: a multiple of the local batch, at least MIN_BINS."""
-    return local_batch * max(1, math.ceil(MIN_BINS / local_batch))
+    def rows(self, start: tuple[int, int] = (0, 0), emitted: int = 0):
+        """(row, position after it) from a position (round start, rows of it emitted)."""
+        at = tuple(start)
+        while at is not None:
+            rows, nxt = self.round(*at)
+            for k in range(emitted, len(rows)):
+                yield rows[k], (at, k + 1)
+            at, emitted = nxt, 0
 
-
-def pipeline(source, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
-             process_count: int = 1, batch: bool = True, epochs: int | None = None):
-    """The Grain IterDataset of packed batches (see the module docstring); `batch=False`: packed
-    rows; `epochs`: stop after that many (default: never)."""
-    import grain
-    import grain.experimental as gx
-    ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat(epochs)
-    ds = ds[process_index::process_count]
-    it = gx.FlatMapIterDataset(ds.to_iter_dataset(), Chunks(seq_len))
-    it = gx.FirstFitPackIterDataset(it, length_struct={"inputs": seq_len, "targets": seq_len},
-                                    num_packing_bins=packing_bins(local_batch),
-                                    shuffle_bins=False)
-    return it.batch(local_batch) if batch else it
-
-
-def _rows(b: dict) -> dict[str, np.ndarray]:
-    return {"inputs": b["inputs"].astype(np.int32), "targets": b["targets"].astype(np.int32),
-            "mask": (b["targets_segment_ids"] > 0).astype(np.float32),
-            "positions": b["inputs_positions"].astype(np.int32),
-            "segment_ids": b["inputs_segment_ids"].astype(np.int32)}
+    def read(self, row: list[tuple]) -> dict[str, np.ndarray]:
+        """One row's arrays: this is where its tokens are read."""
+        T = self.T
+        out = {k: np.zeros(T, np.int32) for k in ("inputs", "targets", "positions",
+                                                   "segment_ids")}
+        at = 0
+        for s, (d, lo, n) in enumerate(row, 1):
+            tok = self.source.read(d, lo, lo + n + 1)
+            out["inputs"][at:at + n], out["targets"][at:at + n] = tok[:-1], tok[1:]
+            out["positions"][at:at + n], out["segment_ids"][at:at + n] = np.arange(n), s
+            at += n
+        out["mask"] = (out["segment_ids"] > 0).astype(np.float32)
+        return out
 
 
 class PackedBatches:
@@ -94,35 +113,48 @@ class PackedBatches:
             process_index, process_count = jax.process_index(), jax.process_count()
         if global_batch % process_count:
             raise ValueError(f"data.batch_size={global_batch} must be divisible by the "
-                             f"{process_count} processes (each packs its own rows)")
+                             f"{process_count} processes (each keeps its share of the rows)")
         self.manifest = read_manifest(directory)
+        self.directory, self.split = str(directory), split
         self.source = TokenShards(directory, split, self.manifest)
-        self.global_batch, self.seq_len, self.seed, self.stream = (global_batch, seq_len, seed,
-                                                                    stream)
+        self.global_batch, self.seq_len, self.seed = global_batch, seq_len, _seed(seed, stream)
         self.local_batch = global_batch // process_count
         self.process_index, self.process_count = process_index, process_count
-        self._ds = pipeline(self.source, seq_len, self.local_batch,
-                            _seed(seed, stream), process_index, process_count)
-        self._it, self._next = None, 0
-        self._known: dict[int, dict] = {0: None}   # step -> iterator state before it
+        self.stream = Stream(self.source, seq_len, self.seed)
+        self._it, self._next, self._pos = None, 0, ((0, 0), 0)
+        self._known: dict[int, tuple] = {0: ((0, 0), 0)}   # step -> position before it
 
     def _seek(self, i: int) -> None:
-        start = max(s for s in self._known if s <= i) if any(s <= i for s in self._known) else 0
+        start = max(s for s in self._known if s <= i)
         if not (self._it is not None and start <= self._next <= i):
-            self._it = iter(self._ds)
-            if self._known.get(start) is not None:
-                self._it.set_state(self._known[start])
+            self._pos = self._known[start]
+            self._it = self.stream.rows(*self._pos)
             self._next = start
         while self._next < i:
-            next(self._it)
-            self._next += 1
+            self._take()
 
-    def local_rows(self, i: int) -> dict[str, np.ndarray]:
+    def _take(self) -> list[list[tuple]]:
+        """The next global batch's rows (piece lists), advancing the position."""
+        rows = []
+        for _ in range(self.global_batch):
+            row, self._pos = next(self._it)
+            rows.append(row)
+        self._next += 1
+        self._known = {s: p for s, p in self._known.items() if s == 0 or s > self._next - 8}
+        self._known[self._next] = self._pos
+        return rows
+
+    def global_pieces(self, i: int) -> list[list[tuple]]:
+        """Batch i as the pieces of every row of every process (lengths only, no tokens)."""
         if self._it is None or self._next != i:
             self._seek(i)
-        rows = _rows(next(self._it))
-        self._next = i + 1
-        return rows
+        return self._take()
+
+    def local_rows(self, i: int) -> dict[str, np.ndarray]:
+        rows = self.global_pieces(i)
+        p, n = self.process_index, self.local_batch
+        mine = [self.stream.read(r) for r in rows[p * n:(p + 1) * n]]
+        return {k: np.stack([r[k] for r in mine]) for k in mine[0]}
 
     def device_batch(self, i: int, shardings: dict) -> dict:
         """This process's rows of batch i as global arrays; keys without a sharding (a step that
@@ -132,23 +164,34 @@ class PackedBatches:
         return {k: jax.make_array_from_process_local_data(shardings[k], v)
                 for k, v in local.items() if k in shardings}
 
+    def _identity(self) -> dict:
+        return {"split": self.split, "seq_len": self.seq_len, "seed": self.seed,
+                "docs": len(self.source),
+                "tokenizer": self.manifest["tokenizer"].get("sha256", "")}
+
     def state(self) -> dict:
-        """JSON-able position: the next batch's index and the iterator state before it."""
-        it = self._it if self._it is not None else iter(self._ds)
-        return {"step": self._next, "process": self.process_index,
-                "processes": self.process_count, "iterator": it.get_state()}
+        """JSON-able position before the next batch (the same on every process)."""
+        (g, c), emitted = self._pos
+        return {"version": STATE_VERSION, "step": self._next, "round": [int(g), int(c)],
+                "emitted": int(emitted), **self._identity()}
 
     def restore(self, state: dict) -> None:
-        """Continue from `state()` (taken by the same process of a run with as many processes)."""
-        if (state.get("processes"), state.get("process")) != (self.process_count,
-                                                              self.process_index):
-            raise ValueError(f"the data state was saved by process {state.get('process')} of "
-                             f"{state.get('processes')}; this is process {self.process_index} of "
-                             f"{self.process_count}: resume with as many processes, or let the "
-                             f"stream replay from the start")
-        self._known[int(state["step"])] = state["iterator"]
+        """Continue from `state()`, taken by any process of a run with any process count."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"the data state {str(state)[:80]!r} is not a version-"
+                             f"{STATE_VERSION} stream position: resume without it (the stream "
+                             f"replays from the start to the checkpoint's step)")
+        mine = self._identity()
+        differ = [f"{k} {state.get(k)!r} there, {v!r} here" for k, v in mine.items()
+                  if state.get(k) != v]
+        if differ:
+            raise ValueError(f"the data state was saved for another stream of "
+                             f"data.shards={self.directory!r} ({'; '.join(differ)}): resume "
+                             f"with the data settings of the checkpointed run")
+        step = int(state["step"])
+        self._known = {0: ((0, 0), 0), step: (tuple(state["round"]), int(state["emitted"]))}
         self._it = None
-        self._seek(int(state["step"]))
+        self._seek(step)
 
 
 def _seed(seed: int, stream: int) -> int:
