@@ -141,8 +141,9 @@ def test_post_local_warmup_is_synchronous_then_replicas_part():
     size = sum(x.size for x in jax.tree.leaves(s.model.abstract_params))
     text, mesh = step.as_text(), s.placement.mesh
     ar = lambda share: sum(r["bytes"] for r in inspect.census(text, mesh, share))
-    assert ar([0.0, 0.0, 1.0]) == 4 * size + 16          # warmup: DP's gradient all-reduce
-    assert ar(local_sgd.branch_share(s.placement.spec)) == 4 * size / 4 + 16
+    metrics = 4 * local_sgd.METRICS                      # 20 bytes
+    assert ar([0.0, 0.0, 1.0]) == 4 * size + metrics     # warmup: DP's gradient all-reduce
+    assert ar(local_sgd.branch_share(s.placement.spec)) == 4 * size / 4 + metrics
 
 
 @pytest.mark.parametrize("method", ["slowmo", "diloco"])
@@ -191,11 +192,11 @@ def test_census_is_one_parameter_all_reduce_per_h_steps(diloco2):
                   if c.kind == "all-reduce" and c.bytes > 4)
     assert dp_grad == 4 * size
     inner = inspect.census(text, mesh, [1.0, 0.0])           # a step without the average
-    assert inner == [{"kind": "all-reduce", "axes": ["dp"], "count": 1, "bytes": 16,
-                      "wire_bytes": 28}]                      # the metrics, nothing else
+    assert inner == [{"kind": "all-reduce", "axes": ["dp"], "count": 1, "bytes": 20,
+                      "wire_bytes": 35}]                      # the metrics, nothing else
     avg = inspect.census(text, mesh, local_sgd.branch_share(s.placement.spec))
     assert len(avg) == 1 and avg[0]["axes"] == ["dp"]
-    assert avg[0]["bytes"] - 16 == dp_grad / H
+    assert avg[0]["bytes"] - 20 == dp_grad / H
     theory = inspect.theory_vs_census(plan.collectives(s.placement.spec), avg)
     assert [r["ratio"] for r in theory] == [1.0]
 

@@ -218,6 +218,28 @@ def own_mean(spec) -> bool:
     return spec.compression != "none" or bool(spec.sparse_embedding)
 
 
+#: the batch key of the spike guard's loss limit: a replicated fp32 scalar the loop adds to each
+#: training batch under `train.spike_policy=skip` (`jaxscale.train.spikes`)
+LOSS_LIMIT = "loss_limit"
+
+
+def accepted(loss, norm, limit=None):
+    """(whether the step's update is applied, whether its loss spiked or None): applied when the
+    loss and gradient norm are finite and the loss is at most `limit` (a spike: a finite loss
+    above it, skipped as a non-finite step is; the loss scale does not shrink for it)."""
+    import jax.numpy as jnp
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    if limit is None:
+        return finite, None
+    spike = finite & (loss > limit)
+    return finite & ~spike, spike
+
+
+def no_overflow(finite, stats):
+    """Whether the loss scale may keep growing: the step was finite, or skipped as a spike."""
+    return finite | (stats["spike"] > 0) if "spike" in stats else finite
+
+
 def keep_if_finite(finite, new, old):
     """The new values where the step was finite, else the old ones: a select, for values the
     step computes anyway (the loss scale, error-feedback residuals, a streamed piece of state)."""

@@ -120,7 +120,8 @@ def build(cfg, devices=None, donate: bool | None = None, with_grads: bool = Fals
                                          donate=cfg.plan.donate if donate is None else donate,
                                          packed=packed,
                                          teacher_sh=teacher.shardings if teacher else None,
-                                         with_grads=with_grads)
+                                         with_grads=with_grads,
+                                         spike_guard=cfg.train.spike_policy == "skip")
     if teacher is not None:
         train_step = teacher.bind(train_step)
     eval_step = step_lib.jit_eval_step(

@@ -22,9 +22,11 @@ The plan's strategies do not appear here by name: each sets the parts of the ste
 5. the probe's state (fp8 QAT's amax histories) and the loss scale rolled forward.
 
 A step whose loss or gradient norm is not finite leaves parameters, master and optimizer state
-untouched, reports `skipped=1` and (with loss scaling) halves the scale; carrying on or stopping
-is the loop's policy. The train state is donated: its buffers are reused for the new state.
-`parts.train_step` (local SGD) replaces the whole step with the strategy's own.
+untouched, reports `skipped=1` and (with loss scaling) halves the scale; so does a loss above
+the batch's `LOSS_LIMIT` (`train.spike_policy=skip`), reported as `spike=1` too, without
+halving; carrying on or stopping is the loop's policy. The train state is donated: its buffers
+are reused for the new state. `parts.train_step` (local SGD) replaces the whole step with the
+strategy's own.
 """
 from __future__ import annotations
 
@@ -38,7 +40,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.axes import use_rules
-from jaxscale.strategies.common import StepParts, keep_if_finite
+from jaxscale.strategies.common import (
+    LOSS_LIMIT,
+    StepParts,
+    accepted,
+    keep_if_finite,
+    no_overflow,
+)
 from jaxscale.train import grads as grads_lib
 from jaxscale.train.state import (
     FunctionalModel,
@@ -99,6 +107,8 @@ class StepContext:
         (`make_train_step` sets them); a strategy's own step (the host-driven offload) calls it
         too."""
         lay, probe = self.lay, self.parts.probe
+        batch = dict(batch)
+        limit = batch.pop(LOSS_LIMIT, None)
         with use_rules(self.placement.mesh, self.placement.rules):
             params = state.params if not lay.memory_kinds else jax.device_put(
                 state.params, self.device_sh.params)
@@ -114,7 +124,9 @@ class StepContext:
             seen = stats.pop(grads_lib.PROBE, None)
             grads = jax.lax.with_sharding_constraint(grads, self.grads_sh)
             norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+            finite, spike = accepted(loss, norm, limit)
+            if spike is not None:
+                stats = {**stats, "spike": spike.astype(jnp.int32)}
             if comm is not None:        # a skipped step keeps its error-feedback residual too
                 comm = keep_if_finite(finite, comm, state.comm)
         return params, grads, norm, finite, loss, ntok, stats, seen, comm
@@ -199,7 +211,8 @@ def make_train_step(ctx: StepContext, distill=None, with_grads: bool = False):
             changes[probe.field] = probe.write(getattr(state, probe.field), seen, finite)
         new_state = dataclasses.replace(
             state, step=state.step + 1, params=new_params, opt_state=new_opt, master=new_master,
-            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm, **changes)
+            loss_scale=policy.next_loss_scale(state.loss_scale, no_overflow(finite, stats)),
+            comm=comm, **changes)
         metrics = ctx.metrics(state, loss, grad_norm, ntok, finite, stats)
         if with_grads:
             metrics["grads"] = grads
@@ -231,15 +244,17 @@ def make_eval_step(model: FunctionalModel, placement, parts: StepParts, device_p
 
 def jit_train_step(step_fn, state_sh: TrainState, placement, parts: StepParts,
                    donate: bool = True, packed: bool = False, teacher_sh=None,
-                   with_grads: bool = False):
+                   with_grads: bool = False, spike_guard: bool = False):
     """`teacher_sh`: the shardings of a distillation teacher's parameters, the third argument.
+    `spike_guard`: batches carry `LOSS_LIMIT` (replicated), a loss above it skips the update.
     The metrics come back replicated, but for `with_grads`' gradients, which stay where the
     update read them (gathering them would add collectives the plan does not have)."""
     extra = () if teacher_sh is None else (teacher_sh,)
     if getattr(step_fn, "host_driven", False):       # a step driven from the host, jits its parts
         return step_fn
     return jax.jit(step_fn,
-                   in_shardings=(state_sh, batch_shardings(placement, parts, packed)) + extra,
+                   in_shardings=(state_sh, batch_shardings(placement, parts, packed) | (
+                       {LOSS_LIMIT: placement.replicated()} if spike_guard else {})) + extra,
                    out_shardings=(state_sh, None if with_grads else placement.replicated()),
                    donate_argnums=(0,) if donate else (),
                    compiler_options=dict(parts.compiler_options) or None)

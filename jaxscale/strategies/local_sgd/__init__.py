@@ -16,7 +16,8 @@ step: the token-mean gradient all-reduced, the same update on every replica (Ada
 included), no average needed.
 Collectives per step: that all-reduce, 4 Psi bytes once every H steps (on average 4 Psi / H),
 plus one small all-reduce of the step's metrics (loss x tokens, tokens, gradient norm, non-finite
-flag: 16 bytes) that no local update waits for; post_local's warmup moves DP's 4 Psi a step.
+and spike flags: 20 bytes) that no local update waits for; post_local's warmup moves DP's 4 Psi
+a step.
 Saves: H times fewer bytes than DP's gradient all-reduce, and H times fewer latencies (the link
 can be slow: across data centres for DiLoCo). Costs: the replicas drift apart between averages
 (convergence per step suffers as H grows; the outer momentum buys some back), and memory.
@@ -51,8 +52,9 @@ METHODS = ("local", "post_local", "slowmo", "diloco")
 #: (outer lr, outer momentum, Nesterov) by method
 DEFAULTS = {"local": (1.0, 0.0, False), "post_local": (1.0, 0.0, False),
             "slowmo": (1.0, 0.5, False), "diloco": (0.7, 0.9, True)}
-#: floats of the step's metrics all-reduce (loss x tokens, tokens, gradient norm, non-finite)
-METRICS = 4
+#: floats of the step's metrics all-reduce (loss x tokens, tokens, gradient norm, non-finite,
+#: spiked: the replicas whose loss was above `train.spike_policy=skip`'s limit)
+METRICS = 5
 
 
 def active(spec) -> bool:

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.axes import manual, use_rules
-from jaxscale.strategies.common import PROBE, keep_if_finite
+from jaxscale.strategies.common import LOSS_LIMIT, PROBE, accepted, keep_if_finite
 from jaxscale.strategies.local_sgd import averaging
 
 
@@ -28,7 +28,7 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
     after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
     mean = outer_mean(spec, ctx)
 
-    def body(step, anchor, outer_state, comm, batch, scale, *probed):
+    def body(step, anchor, outer_state, comm, batch, scale, limit, *probed):
         """One device: its replica's inner step, then (every H-th step) the average; in
         post_local's warmup DP's step instead (`lax.switch`, the branches of `branch_share`).
         `probed`: a probe's inputs (fp8 QAT's scales); what the replicas saw is combined over
@@ -42,9 +42,10 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
         if seen is not None:
             seen = jax.tree.map(lambda a: jax.lax.pmax(a, "dp"), seen)
         norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        finite, spike = accepted(loss, norm, limit)     # a replica whose loss spiked skips
         # the metrics, for logging and loss scaling: no local update waits for them
-        sums = jax.lax.psum(jnp.stack([loss * ntok, ntok, norm, (~finite).astype(jnp.float32)]
+        sums = jax.lax.psum(jnp.stack([loss * ntok, ntok, norm, (~finite).astype(jnp.float32),
+                                       spike.astype(jnp.float32)]
                                       + [stats[s] for s in stat_names]), "dp")
 
         def update(grads, norm, finite, rep, opt):
@@ -94,6 +95,8 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
         return (anchor, outer_state, comm, sums) + ((seen,) if probed else ())
 
     def train_step(state, batch):
+        batch = dict(batch)
+        limit = batch.pop(LOSS_LIMIT, jnp.float32(jnp.inf))
         with use_rules(mesh, placement.rules):
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             anchor = state.master if policy.master else state.params
@@ -110,24 +113,25 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
                 return jax.tree.map(lambda _: P(), tree)
             out = jax.shard_map(
                 body, mesh=mesh, axis_names={"dp"}, check_vma=False,
-                in_specs=(P(), same(anchor), same(outer_state), rep_specs, rows, P())
+                in_specs=(P(), same(anchor), same(outer_state), rep_specs, rows, P(), P())
                 + tuple(same(p) for p in probed),
                 out_specs=(same(anchor), same(outer_state), rep_specs, P())
                 + tuple(same(p) for p in probed))(
                 state.step, anchor, outer_state, state.comm, batch,
-                jnp.asarray(scale, jnp.float32), *probed)
+                jnp.asarray(scale, jnp.float32), limit, *probed)
             anchor, outer_state, comm, sums = out[:4]
         tokens = sums[1]
-        finite = sums[3] == 0
+        finite, spikes = sums[3] == 0, sums[4]
         changes = {} if probe is None else {
             probe.field: probe.write(getattr(state, probe.field), out[4], finite)}
         new_state = dataclasses.replace(
             state, step=state.step + 1, params=policy.working(anchor), opt_state=outer_state,
             master=anchor if policy.master else None,
-            loss_scale=policy.next_loss_scale(state.loss_scale, finite), comm=comm, **changes)
+            loss_scale=policy.next_loss_scale(state.loss_scale, sums[3] == spikes), comm=comm,
+            **changes)
         metrics = {"loss": sums[0] / jnp.where(tokens > 0, tokens, 1.0), "grad_norm": sums[2] / n,
                    "lr": ctx.learning_rate(state.step), "tokens": tokens,
-                   "skipped": (~finite).astype(jnp.int32)}
+                   "skipped": (~finite).astype(jnp.int32), "spike": spikes.astype(jnp.int32)}
         metrics.update({s: sums[n_metrics + i] / n for i, s in enumerate(stat_names)})
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale["scale"]

@@ -7,6 +7,8 @@ import dataclasses
 
 import jax
 
+from jaxscale.strategies.common import no_overflow
+
 
 def grads_step(ctx, thin_sh):
     """The jitted forward and backward: (thin state, batch) -> (state with the step, loss scale
@@ -15,8 +17,8 @@ def grads_step(ctx, thin_sh):
     def step(state, batch):
         _, grads, norm, finite, loss, ntok, stats, _, comm = ctx.gradients(state, batch)
         new = dataclasses.replace(state, step=state.step + 1, comm=comm,
-                                  loss_scale=ctx.policy.next_loss_scale(state.loss_scale,
-                                                                        finite))
+                                  loss_scale=ctx.policy.next_loss_scale(
+                                      state.loss_scale, no_overflow(finite, stats)))
         return new, grads, norm, finite, ctx.metrics(state, loss, norm, ntok, finite, stats)
     return jax.jit(step, in_shardings=(thin_sh, None),
                    out_shardings=(thin_sh, ctx.grads_sh, None, None, None))
