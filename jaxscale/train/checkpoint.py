@@ -196,7 +196,13 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
     the model's order a checkpoint holds (or, written before, the order its metadata names)."""
     listing = require_resumable(directory)
     ckpt = Checkpointer(directory, ckpt_cfg)
-    step = listing.latest
+    return (ckpt,) + restore_step(ckpt, listing.latest, cfg, abstract_state, layer_order)
+
+
+def restore_step(ckpt: Checkpointer, step: int, cfg, abstract_state,
+                 layer_order: list[int] | None = None):
+    """(state, meta, notes) of checkpoint `step` of `ckpt` (see `restore_latest`)."""
+    directory = ckpt.directory
     meta = ckpt.read_meta(step)
     # the true vocabulary, the model's layers
     kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size, layer_order)
@@ -208,4 +214,4 @@ def restore_latest(directory: Path, ckpt_cfg, cfg, abstract_state,
     if restored != step:
         raise CorruptCheckpointError(
             f"checkpoint {Path(directory) / str(step)} holds state.step={restored}, not {step}")
-    return ckpt, state, meta, notes
+    return state, meta, notes

@@ -171,15 +171,22 @@ def _digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def make_meta(cfg, state, step: int, last_row: dict | None = None) -> dict:
+def make_meta(cfg, state, step: int, last_row: dict | None = None,
+              data_position: int | None = None, data_state: dict | None = None,
+              guards: dict | None = None) -> dict:
     """What a checkpoint says about itself (`state` as `train.disk.to_disk` gives it: the true
     vocabulary, the layers in the model's order; a checkpoint written before that names its
-    stored order in "layer_order", which a restore still honours)."""
+    stored order in "layer_order", which a restore still honours). `data_position`: the next
+    batch's index (the step, unless batches were skipped after a spike); `data_state`: a
+    streamed source's position (`PackedBatches.state()`, the same on every process);
+    `guards`: the spike policy's rollback count and window."""
     from jaxscale import config as config_lib
     meta = {
         "version": META_VERSION,
         "step": int(step),
-        "data_position": int(step),          # index of the next batch: Batches.device_batch(step)
+        "data_position": int(step if data_position is None else data_position),  # next batch
+        "data_state": data_state,
+        "guards": guards or {},
         "rng": {"init_seed": cfg.train.seed, "data_seed": cfg.data.seed,
                 "note": "batch i = default_rng((data.seed, stream, i)); the step draws no RNG"},
         "config": config_lib.to_dict(cfg),

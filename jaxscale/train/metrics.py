@@ -55,11 +55,17 @@ def plot_loss(rows: list[dict], path: Path, title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    kept = {r["step"]: r["loss"] for r in rows       # the last row of a step: after a rollback,
+            if "loss" in r and r.get("event") not in ("spike", "rollback")}   # the run that held
+    train = sorted(kept.items())
     ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    spikes = [(r["step"], r["loss"]) for r in rows if r.get("event") in ("spike",
+                                                                        "spike_skipped")]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
+    if spikes:
+        ax.plot(*zip(*spikes), "rx", label="loss spike (skipped or rolled back)")
     if ev:
         ax.plot(*zip(*ev), "o-", label="held-out loss")
     ax.set_xlabel("step")
