@@ -60,8 +60,9 @@ def cmd_train(args) -> int:
         summary = train(cfg, out=args.out, resume=args.resume,
                         resume_command=_resume_command(args))
     except TrainingStopped as e:
+        from jaxscale.train.supervise import EXIT_STOPPED
         print(f"jaxscale train: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_STOPPED
     import jax
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=2))

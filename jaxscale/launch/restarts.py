@@ -28,8 +28,11 @@ from pathlib import Path
 from jaxscale.launch.distributed import HEARTBEAT_TIMEOUT_S, free_port
 from jaxscale.launch.group import EXIT_GRACE_S, Outcome, Watch, run_group
 from jaxscale.train import checkpoint_meta
+from jaxscale.train.supervise import EXIT_STOPPED
 
-NOT_RESTARTED = {2: "the command was refused (bad input), and would be refused again"}
+NOT_RESTARTED = {2: "the command was refused (bad input), and would be refused again",
+                 EXIT_STOPPED: "the run stopped on purpose (train.nonfinite=stop, or more loss "
+                               "spikes than train.max_rollbacks), and would stop again"}
 
 
 @dataclass

@@ -56,6 +56,8 @@ from collections import deque
 from pathlib import Path
 
 EXIT_RESTARTABLE = 75          # EX_TEMPFAIL: a hang or a lost peer; rerun with --resume
+EXIT_STOPPED = 3               # stopped on purpose (train.nonfinite=stop, train.max_rollbacks):
+                               # a rerun would meet the same batch, so nothing restarts it
 ABORT_STATUS = 128 + signal.SIGABRT     # JAX's coordination service terminating a process
 STARTUP_FACTOR = 2             # before the first step completes: this x train.hang_min_s
 WINDOW = 100                   # step times the median is taken over
