@@ -1,25 +1,21 @@
 """Supervised runs: the in-process monitor (heartbeats, the hang watchdog and its exit status, a
 lost peer, the straggler report over a real `process_allgather`), the launcher's restarts, hang
-detection with stack dumps and elastic mesh choice, tested on small fake training programs; and
-one end-to-end run of `jaxscale launch --max-restarts 1 -- train` with a killed process."""
+detection with stack dumps and elastic mesh choice, tested on small fake training programs (the
+end-to-end restart of a real two-process run is in tests/test_multiprocess.py)."""
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from jaxscale import config as config_lib
-from jaxscale.cli import main as cli_main
 from jaxscale.launch import Run, launch
 from jaxscale.launch.elastic import choose_mesh
 from jaxscale.train import supervise
-from tests.helpers import SMALL_ARGS, subprocess_env
 
 
 def train_cfg(**kw):
@@ -307,40 +303,3 @@ def test_a_real_lost_peer_exits_restartable_at_once(tmp_path):
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode == supervise.EXIT_RESTARTABLE, err[-3000:]
     assert "process 0 lost a peer" in err
-
-
-# ----------------------------------------------------------------------------- end to end
-# The one real run (slow: ~3 compilations): `jaxscale launch --processes 2 --max-restarts 1`;
-# process 1 is stopped after the first checkpoint and killed; the restarted run resumes and
-# ends with the uninterrupted one-process run's loss.
-def test_end_to_end_a_killed_process_is_restarted_and_the_run_finishes(tmp_path_factory):
-    steps = 8
-
-    def train(out, every):
-        return ["train", "llama_tiny", "--steps", str(steps), "--out", str(out), *SMALL_ARGS,
-                "--set", f"ckpt.every={every}"]
-    ref = tmp_path_factory.mktemp("uninterrupted")
-    assert cli_main(train(ref, 0)) == 0               # in this process: 8 devices
-    out = tmp_path_factory.mktemp("restarted")
-    err_path = out.parent / "launch.err"
-    with open(err_path, "w") as err_file:
-        p = subprocess.Popen([sys.executable, "-m", "jaxscale.cli", "launch", "--processes", "2",
-                              "--max-restarts", "1", "--", *train(out, 2)],
-                             env=subprocess_env(tmp_path_factory), stdout=subprocess.DEVNULL,
-                             stderr=err_file)
-        deadline = time.monotonic() + 240
-        while not (out / "checkpoints" / "2").is_dir():
-            assert p.poll() is None, err_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 2"
-            time.sleep(0.01)
-        pid = int(re.search(r"pids \d+ (\d+)", err_path.read_text()).group(1))
-        os.kill(pid, signal.SIGSTOP)                   # no further step, then the kill
-        os.kill(pid, signal.SIGKILL)
-        assert p.wait(300) == 0, err_path.read_text()[-3000:]
-    err = err_path.read_text()
-    assert re.search(r"restart 1 of 1 after process 1 \(pid \d+\) was killed by SIGKILL; "
-                     r"resuming from checkpoint step \d+", err), err[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    want = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in rows] == list(range(1, steps + 1))
-    np.testing.assert_allclose(rows[-1]["loss"], want[-1]["loss"], rtol=1e-5)
