@@ -107,3 +107,17 @@ def test_too_many_rollbacks_stop_the_run_with_a_message(tmp_path, monkeypatch):
         _run(tmp_path, "stop", monkeypatch, "train.spike_policy=rollback", "train.max_rollbacks=0")
     assert [r["event"] for r in read_metrics(tmp_path / "stop" / "metrics.jsonl")
             if "event" in r] == ["spike"]
+
+
+def test_inspect_and_profile_trace_the_guarded_step():
+    """`spike_policy=skip` adds the limit to the step's batch: the abstract batch carries it (what
+    `inspect` lowers), and `train_batch` adds an infinite one to a batch without it."""
+    from jaxscale.strategies.common import LOSS_LIMIT
+    from jaxscale.train.setup import build
+    setup = build(tiny_config(*BASE, "train.spike_policy=skip"))
+    batch = setup.abstract_batch()
+    assert batch[LOSS_LIMIT].shape == () and batch[LOSS_LIMIT].sharding.is_fully_replicated
+    traced = setup.train_step.trace(setup.abstract_state(), batch)
+    assert "spike" in traced.out_info[1]
+    assert float(setup.train_batch({})[LOSS_LIMIT]) == math.inf
+    assert LOSS_LIMIT not in build(tiny_config(*BASE)).abstract_batch()

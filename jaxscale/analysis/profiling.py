@@ -78,7 +78,8 @@ def profile(cfg, steps: int = 6, out: Path | None = None, warmup: int = 2,
             jax.profiler.start_trace(str(out / "trace"), create_perfetto_trace=True)
             tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            state, metrics = setup.train_step(state, batches.device_batch(step - 1, sh))
+            state, metrics = setup.train_step(state, setup.train_batch(
+                batches.device_batch(step - 1, sh)))
             jax.block_until_ready(state)
         if hook is not None:
             hook(step, state, metrics)

@@ -123,7 +123,6 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
     last_eval = evals[-1] if evals else None
     skipped = sum(int(r.get("skipped", 0)) for r in writer.kept)
     guard = spikes.Guard(cfg, guards, writer.kept, _say)
-    limit_sh = setup.placement.replicated()
     sh = setup.batch_shardings()
     bar = None
     if progress and jax.process_index() == 0:
@@ -147,7 +146,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
         try:
             while step < cfg.train.steps:
                 batch = train_b.device_batch(pos, sh)
-                batch = guard.limit_batch(batch, limit_sh)
+                batch = setup.train_batch(batch, guard.limit())
                 t0 = time.perf_counter()
                 state, m = setup.train_step(state, batch)
                 m = jax.device_get(m)

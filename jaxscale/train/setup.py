@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import plan as plan_lib
-from jaxscale.strategies.common import StepParts
+from jaxscale.strategies.common import LOSS_LIMIT, StepParts
 from jaxscale.train import grads as grads_lib
 from jaxscale.train import state as state_lib
 from jaxscale.train import step as step_lib
@@ -78,11 +78,30 @@ class Setup:
         """Whether batches carry packed documents' positions and segment ids (`data.shards`)."""
         return bool(self.cfg.data.shards)
 
+    @property
+    def spike_guard(self) -> bool:
+        """Whether the train step takes a loss limit with its batch (`train.spike_policy=skip`,
+        `strategies.common.LOSS_LIMIT`)."""
+        return self.cfg.train.spike_policy == "skip"
+
     def abstract_batch(self) -> dict:
+        """A training batch's shapes and shardings (with the loss limit the step takes)."""
         B, T = self.cfg.data.batch_size, self.cfg.data.seq_len
-        return {k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32,
-                                        sharding=sh)
-                for k, sh in self.batch_shardings().items()}
+        out = {k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32,
+                                       sharding=sh)
+               for k, sh in self.batch_shardings().items()}
+        if self.spike_guard:
+            out[LOSS_LIMIT] = jax.ShapeDtypeStruct((), jnp.float32,
+                                                   sharding=self.placement.replicated())
+        return out
+
+    def train_batch(self, batch: dict, limit: float = float("inf")) -> dict:
+        """`batch` as the train step takes it: with the loss limit when the step has a guard."""
+        if not self.spike_guard:
+            return batch
+        import numpy as np
+        return {**batch, LOSS_LIMIT: jax.make_array_from_process_local_data(
+            self.placement.replicated(), np.float32(limit))}
 
     def batch_shardings(self) -> dict:
         return step_lib.batch_shardings(self.placement, self.parts, self.packed)

@@ -69,16 +69,9 @@ class Guard:
         self.rollbacks = int(guards.get("rollbacks", 0))
         self.events = [r for r in kept_rows if r.get("event") in ("spike_skipped", "rollback")]
 
-    def limit_batch(self, batch: dict, sharding) -> dict:
-        """`batch` with the step's loss limit (`skip` only: the step applies it)."""
-        if self.policy == "skip":
-            import jax
-            import numpy as np
-
-            from jaxscale.strategies.common import LOSS_LIMIT
-            batch[LOSS_LIMIT] = jax.make_array_from_process_local_data(
-                sharding, np.float32(self.detector.limit()))
-        return batch
+    def limit(self) -> float:
+        """The loss limit this step's batch carries (`skip`; the step applies it)."""
+        return self.detector.limit()
 
     def check(self, row: dict, metrics: dict, used: int) -> str | None:
         """What a step's spike needs done ("skipped" | "rollback"), or None (its loss then
