@@ -73,14 +73,32 @@ def cmd_launch(args) -> int:
     from jaxscale.launch import Run, launch
     from jaxscale.launch.restarts import check_arguments
     command = args.command_argv[1:] if args.command_argv[:1] == ["--"] else args.command_argv
+    if args.async_ is not None:
+        return _launch_async(args, command)
     check_arguments(command, args.processes, args.max_restarts, args.elastic)
     # check the command here, before any process starts
     inner = parser().parse_args(command)
     cfg = _load(inner, out=_train_out(inner), checkpoints=True, data=True)
-    return launch(command, processes=args.processes, local_devices=args.local_devices,
+    return launch(command, processes=args.processes, local_devices=args.local_devices or 4,
                   port=args.port, heartbeat=args.heartbeat_timeout,
                   max_restarts=args.max_restarts, elastic=args.elastic,
                   run=Run.of(cfg, inner.out))
+
+
+def _launch_async(args, command: list[str]) -> int:
+    """`launch --async N`: a parameter server and N workers (`jaxscale.ps`)."""
+    from jaxscale.ps import supervisor
+    if args.async_ < 1:
+        raise ValueError(f"--async needs a worker count >= 1, got {args.async_}")
+    if not command or command[0] != "train":
+        raise ValueError("give the training command after --, e.g. `jaxscale launch --async 4 "
+                         "-- train llama_tiny --steps 100`")
+    inner = parser().parse_args(command)
+    cfg = _load(inner, out=_train_out(inner), checkpoints=True, data=True)
+    from jaxscale.config import run_directory
+    return supervisor.run(cfg, run_directory(cfg, inner.out), args.async_, args.port,
+                          inner.resume, local_devices=args.local_devices or 1,
+                          max_restarts=max(args.max_restarts, 3))
 
 
 def cmd_inspect(args) -> int:
@@ -283,8 +301,8 @@ def parser() -> argparse.ArgumentParser:
                         "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")
     la.add_argument("--processes", type=arg(lo=1), default=2,
                     help="number of processes (default 2)")
-    la.add_argument("--local-devices", type=arg(lo=1), default=4,
-                    help="simulated CPU devices per process (default 4)")
+    la.add_argument("--local-devices", type=arg(lo=1), default=None,
+                    help="simulated CPU devices per process (default 4; with --async 1)")
     la.add_argument("--port", type=arg(lo=0, hi=65535), default=0,
                     help="coordinator port (default: a free one)")
     la.add_argument("--heartbeat-timeout", type=arg(lo=1), default=30,
@@ -297,6 +315,10 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--elastic", action="store_true",
                     help="after a process is lost, restart on one process fewer, on the same "
                          "plan where a -1 mesh degree absorbs it, else the nearest mesh that fits")
+    la.add_argument("--async", dest="async_", type=int, default=None, metavar="WORKERS",
+                    help="asynchronous training: a parameter server and WORKERS workers that "
+                         "never wait for each other (jaxscale.ps; ps.* settings; --local-devices "
+                         "per worker, default 1)")
     la.add_argument("command_argv", nargs=argparse.REMAINDER,
                     help="-- then the jaxscale command, e.g. -- train llama_tiny --steps 20")
     la.set_defaults(func=cmd_launch)

@@ -197,10 +197,10 @@ def test_valid_inputs_still_pass_the_checks():
 
 # ----------------------------------------------------------------------------- the mechanism
 CONFIG_CLASSES = (C.DataConfig, C.OptimConfig, C.PlanConfig, C.TrainConfig, C.CheckpointConfig,
-                  ModelConfig, RopeScaling, MeshConfig)
+                  C.PsConfig, ModelConfig, RopeScaling, MeshConfig)
 #: strings with no closed set of values (paths, names, or parsed by their strategy module)
 FREE_STRINGS = {"source", "loss_scale", "remat", "offload", "out", "dir", "tokenizer", "text_field",
-                "shards", "prune", "teacher", "stage_layers", "offload_dir", "zeropp"}
+                "shards", "prune", "teacher", "stage_layers", "offload_dir", "zeropp", "slow"}
 
 
 @pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)

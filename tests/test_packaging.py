@@ -37,3 +37,14 @@ def test_experiments_import_only_the_library_and_their_shared_setup():
         text = path.read_text()
         assert "sys.path" not in text, path.name
         assert not re.search(r"^\s*(from|import) tests\b", text, re.M), path.name
+
+
+def test_every_package_of_the_tree_is_installed():
+    """A non-editable install ships the packages pyproject.toml lists: every folder of jaxscale/
+    with an __init__.py is one of them."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "jaxscale").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

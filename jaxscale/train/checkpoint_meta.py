@@ -173,13 +173,14 @@ def _digest(meta: dict) -> str:
 
 def make_meta(cfg, state, step: int, last_row: dict | None = None,
               data_position: int | None = None, data_state: dict | None = None,
-              guards: dict | None = None) -> dict:
+              guards: dict | None = None, extra: dict | None = None) -> dict:
     """What a checkpoint says about itself (`state` as `train.disk.to_disk` gives it: the true
     vocabulary, the layers in the model's order; a checkpoint written before that names its
     stored order in "layer_order", which a restore still honours). `data_position`: the next
     batch's index (the step, unless batches were skipped after a spike); `data_state`: a
     streamed source's position (`PackedBatches.state()`, the same on every process);
-    `guards`: the spike policy's rollback count and window."""
+    `guards`: the spike policy's rollback count and window; `extra`: more keys (the parameter
+    server's worker positions, `jaxscale.ps`)."""
     from jaxscale import config as config_lib
     meta = {
         "version": META_VERSION,
@@ -198,6 +199,7 @@ def make_meta(cfg, state, step: int, last_row: dict | None = None,
         "time": time.time(),
         "checksums": checksums(state),
     }
+    meta.update(extra or {})
     meta["digest"] = _digest(meta)
     return meta
 
