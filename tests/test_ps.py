@@ -46,6 +46,23 @@ def test_one_worker_at_staleness_zero_is_synchronous_training(tmp_path):
     assert got[-1] < got[0]
 
 
+def test_one_local_worker_with_outer_lr_1_is_synchronous_training(tmp_path):
+    """ps.mode=local: the change of H local steps, added at outer_lr 1, is the local run; with one
+    worker that is synchronous training with the worker's own (persistent) optimizer."""
+    pushes, H = 3, 2
+    cfg = tiny_config(*ASYNC, f"train.steps={pushes}", "ckpt.every=0", "ps.mode=local",
+                      f"ps.local_steps={H}")
+    run_in_process(cfg, tmp_path / "local", workers=1)
+    got = [r["loss"] for r in _rows(tmp_path / "local")]
+    setup = build(cfg, jax.devices()[:1])
+    state, batches = setup.init_state(), make_batches(cfg.data)[0]
+    want = []
+    for i in range(pushes * H):
+        state, m = setup.train_step(state, batches.device_batch(i, setup.batch_shardings()))
+        want.append(float(m["loss"]))
+    np.testing.assert_allclose(got, np.mean(np.reshape(want, (pushes, H)), axis=1), rtol=2e-6)
+
+
 def test_equal_workers_are_n_minus_1_stale_and_a_slow_one_does_not_hold_them(tmp_path):
     n, steps = 4, 24
     equal = run_in_process(tiny_config(*ASYNC, f"train.steps={steps}", "ckpt.every=0"),
