@@ -188,6 +188,8 @@ class PsConfig:
     max_staleness: int = nonneg(0, note="0: no bound; a staler push is dropped")
     local_steps: int = positive(8)    # mode=local: local steps between pushes
     outer_lr: float = positive(1.0)   # mode=local: the server adds outer_lr x the change
+    barrier: bool = False             # synchronous rounds: the server waits for every
+                                      # worker's push and applies their mean (synchronous DP)
     slow: str = ""                    # "worker:factor,...": slow workers down (experiments)
 
     def slow_factors(self) -> dict[int, float]:

@@ -129,3 +129,23 @@ def test_bad_input_is_refused_before_anything_starts(capsys, tmp_path):
     assert "ps.max_staleness=-1: must be an integer >= 0" in err
     assert f"--port {taken} is not free" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_barrier_rounds_are_synchronous_data_parallelism(tmp_path):
+    """ps.barrier: two workers' pushes of one round averaged (by tokens) and applied once: the
+    synchronous step over their two batches."""
+    steps = 3
+    cfg = tiny_config(*ASYNC, f"train.steps={steps}", "ckpt.every=0", "ps.barrier=true")
+    summary = run_in_process(cfg, tmp_path / "sync", workers=2)
+    assert summary["staleness_histogram"] == {"0": steps}
+    got = [r["loss"] for r in _rows(tmp_path / "sync")]
+    setup = build(cfg, jax.devices()[:1])
+    state, batches = setup.init_state(), make_batches(cfg.data)[0]
+    sh, want = setup.batch_shardings(), []
+    for i in range(steps):      # one step over batches 2i and 2i + 1 (the two workers' rows)
+        both = [batches.device_batch(2 * i + w, sh) for w in range(2)]
+        batch = {k: jax.device_put(np.concatenate([np.asarray(b[k]) for b in both]), sh[k])
+                 for k in both[0]}
+        state, m = setup.train_step(state, batch)
+        want.append(float(m["loss"]))
+    np.testing.assert_allclose(got, want, rtol=2e-6)

@@ -25,6 +25,9 @@ pull and its push (with N equal workers about N - 1). The server records it per 
   "Asynchronous SGD with delay compensation", ICML 2017; `ps.dc_lambda`), from the copy of the
   parameters the worker pulled, which the server keeps per worker.
 `ps.max_staleness` > 0 drops staler pushes (the worker redoes that batch on fresher parameters).
+`ps.barrier=true` makes the same server synchronous (the baseline the asynchronous runs are
+measured against): it holds each push until every worker's is in and applies their
+token-weighted mean once, so every step waits for the slowest worker.
 
 Communication per push: the parameters down and the gradients (or the change) up, 2 x the
 parameter bytes per worker step (local: per `ps.local_steps` steps), point to point with the

@@ -91,6 +91,8 @@ class Server:
         self.start = self.step
         self.apply = make_apply(self.setup, self.ps)
         self.pulled: dict[int, tuple[int, object]] = {}
+        self.waiting: dict[int, tuple] = {}        # ps.barrier: this round's pushes
+        self.identities: dict[bytes, int] = {}     # ZeroMQ identity -> worker
         self.staleness: Counter = Counter()
         self.dropped = self.applied = 0
         self.sock = wire.bind(address)
@@ -108,23 +110,50 @@ class Server:
     def _target(self):
         return self.state.master if self.state.master is not None else self.state.params
 
-    def handle(self, head: dict, arrays: list) -> tuple[dict, list]:
+    def handle(self, identity: bytes, head: dict, arrays: list) -> list[tuple]:
+        """The replies (identity, header, arrays) a request releases: its own, none yet (a
+        push waiting for its round under `ps.barrier`), or the whole round's."""
         w, op = int(head.get("worker", -1)), head.get("op")
         if not 0 <= w < self.workers:
-            return {"error": f"worker {w} is not one of the {self.workers}"}, []
+            return [(identity, {"error": f"worker {w} is not one of the {self.workers}"}, [])]
         if op == "hello":
-            return {"step": self.step, "position": self.positions[w], "done": self.done,
-                    "shapes": [list(x.shape) for x in jax.tree.leaves(self.state.params)]}, []
+            return [(identity, {"step": self.step, "position": self.positions[w],
+                                "done": self.done, "shapes": [list(x.shape) for x in
+                                                              jax.tree.leaves(self.state.params)]},
+                     [])]
         if op == "pull":
             leaves, _ = flatten(self.state.params)
             if self.ps.step_rule == "dc":        # what this worker's gradient will be late to
                 self.pulled[w] = (self.step, jax.tree.map(lambda a: a.copy(), self._target()))
             else:
                 self.pulled[w] = (self.step, None)
-            return {"step": self.step, "done": self.done}, leaves
+            return [(identity, {"step": self.step, "done": self.done}, leaves)]
         if op == "push":
-            return self._push(w, head, arrays), []
-        return {"error": f"unknown request {op!r}"}, []
+            if self.ps.barrier and not self.done:
+                return self._round(w, identity, head, arrays)
+            return [(identity, self._push(w, head, arrays), [])]
+        return [(identity, {"error": f"unknown request {op!r}"}, [])]
+
+    def _round(self, w: int, identity: bytes, head: dict, arrays: list) -> list[tuple]:
+        """`ps.barrier`: hold the push until every worker's is in, then apply their token-
+        weighted mean once (synchronous data parallelism through the same server)."""
+        self.waiting[w] = (identity, head, arrays)
+        if len(self.waiting) < self.workers:
+            return []
+        tokens = {v: max(float(h["tokens"]), 1.0) for v, (_, h, _) in self.waiting.items()}
+        total = sum(tokens.values())
+        mean = [sum(np.asarray(a[i], np.float32) * (tokens[v] / total)
+                    for v, (_, _, a) in self.waiting.items())
+                for i in range(len(arrays))]
+        loss = sum(float(h["loss"]) * tokens[v] for v, (_, h, _) in self.waiting.items()) / total
+        first = min(self.waiting)
+        merged = dict(self.waiting[first][1], loss=loss, tokens=total)
+        answer = self._push(first, merged, mean)
+        for v, (_, h, _) in self.waiting.items():
+            self.positions[v] = int(h["position"]) if answer.get("applied") else self.positions[v]
+        out = [(ident, answer, []) for ident, _, _ in self.waiting.values()]
+        self.waiting = {}
+        return out
 
     def _push(self, w: int, head: dict, arrays: list) -> dict:
         if self.done:
@@ -180,11 +209,11 @@ class Server:
             got = wire.receive(self.sock, 200)
             if got is None:
                 continue
-            identity, head, arrays = got
-            answer, out = self.handle(head, arrays)
-            if answer.get("done"):
-                told.add(int(head.get("worker", -1)))
-            wire.reply(self.sock, identity, answer, out)
+            self.identities[got[0]] = int(got[1].get("worker", -1))
+            for ident, answer, out in self.handle(*got):
+                if answer.get("done"):
+                    told.add(self.identities.get(ident, -1))
+                wire.reply(self.sock, ident, answer, out)
         self.ckpt.wait()
         return self.finish()
 
