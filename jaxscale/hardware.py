@@ -9,8 +9,21 @@ Fields the planner adds (defaults keep the older profiles' meaning):
 - `busbw_intra` / `busbw_inter`: the bus bandwidth a bandwidth-optimal collective reaches
   (nccl-tests "busbw"), per device; 0 means the link bandwidth (`intra_bw` / `inter_bw`). 8xH100
   ring all-reduce ~370 GB/s, 8xA100 ~200 GB/s (nccl-tests PERFORMANCE.md figures in REFERENCE.md).
-- `matmul_efficiency`: fraction of the dense peak a large GEMM sustains (cuBLAS on A100 reaches
-  ~250 of 312 TFLOP/s, on H100 SXM ~740 of 989); the CPU peak is already an upper bound.
+- `matmul_efficiency`: fraction of the dense peak the GEMMs of a training step sustain. The
+  best-shape matmul rate (MAMF, ml-engineering's `mamf-finder.py` table: A100 SXM 267.9, H100
+  SXM 792.1 of 312 / 989 TFLOP/s; ~790 measured on the H200, ../shared/gpu) is not what a step's
+  GEMMs reach: on the H200 the jaxscale step's GEMM kernels ran 5.6e13 FLOPs in ~90 ms (0.626
+  of the peak, 0.78 of the measured best shape; ../shared/gpu/README.md, profile). The profiles
+  take that 0.78 of their MAMF: A100 0.67, H100 0.625, H200 0.626 (measured). The CPU
+  peak is already an upper bound (1.0).
+- `attention_efficiency`: fraction of the dense peak a fused attention kernel (cuDNN,
+  FlashAttention-2/3) sustains over its forward and backward, FLOPs counted as the planner does
+  (the causal half, the backward 2.5x the forward): FlashAttention-2 on A100 ~170 of 312 TFLOP/s
+  at head_dim 128 and 2-16k tokens (Dao 2023, arXiv 2307.08691, fig. 5); on the H200 the
+  jaxscale step's cuDNN kernels ran 5.8 TFLOP in 12 ms (0.49 of 989: ../shared/gpu/README.md,
+  profile), FlashAttention-3 on H100 ~500-600 TFLOP/s forward+backward (arXiv 2407.08608).
+- `peak_fp8`, `peak_int8`: dense 8-bit matmul peaks (0: no 8-bit tensor cores): H100/H200
+  1979 TFLOP/s fp8 and 1979 TOP/s int8, A100 624 TOP/s int8 and no fp8 (vendor datasheets).
 - `host_bytes`: host DRAM per device for offloaded state (a DGX node: 2 TB for 8 GPUs); on `cpu`,
   the machine's physical memory, which the simulated devices share.
 - `disk_bw`: NVMe bandwidth per device for the nvme offload tier (a DGX H100's 8 NVMe drives,
@@ -45,6 +58,9 @@ class Hardware:
     busbw_intra: float = 0.0
     busbw_inter: float = 0.0
     matmul_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    peak_fp8: float = 0.0
+    peak_int8: float = 0.0
     host_bytes: float = 256e9
     devices_per_node: int = 8
     native_16bit: bool = True
@@ -88,11 +104,19 @@ def _cpu() -> Hardware:
 
 HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("a100", 312e12, 19.5e12, 80e9, 2.04e12, 300e9, 25e9,
-                     busbw_intra=200e9, matmul_efficiency=0.8),
+                     busbw_intra=200e9, matmul_efficiency=0.67, attention_efficiency=0.55,
+                     peak_int8=624e12),
+    # Jean Zay's A100 partition, where BLOOM trained: 4 Omni-Path links of 100 Gb/s per node of
+    # 8 A100 (bigscience tr11-176B-ml README, "Hardware"): 6.25 GB/s per GPU across nodes
+    "a100-opa": Hardware("a100-opa", 312e12, 19.5e12, 80e9, 2.04e12, 300e9, 6.25e9,
+                         busbw_intra=200e9, matmul_efficiency=0.67, attention_efficiency=0.55,
+                         peak_int8=624e12),
     "h100": Hardware("h100", 989e12, 67e12, 80e9, 3.35e12, 450e9, 50e9,
-                     busbw_intra=370e9, matmul_efficiency=0.75),
+                     busbw_intra=370e9, matmul_efficiency=0.625, attention_efficiency=0.5,
+                     peak_fp8=1979e12, peak_int8=1979e12),
     "h200": Hardware("h200", 989e12, 67e12, 141e9, 4.8e12, 450e9, 50e9,
-                     busbw_intra=370e9, matmul_efficiency=0.75),
+                     busbw_intra=370e9, matmul_efficiency=0.626, attention_efficiency=0.5,
+                     peak_fp8=1979e12, peak_int8=1979e12),
     "cpu": _cpu(),
 }
 
@@ -109,6 +133,13 @@ def peak_flops_per_device(name: str, dtype: str, n_devices: int) -> float:
     hw = get(name)
     peak = hw.peak_fp32 if dtype == "float32" else hw.peak_bf16
     return peak / n_devices if name == "cpu" else peak
+
+
+def peak_8bit(name: str, kind: str) -> float:
+    """Dense peak of 8-bit matmuls (`kind`: fp8 | int8) on one device; 0 where the hardware has
+    no such tensor cores (the matmuls then run at the compute dtype's peak)."""
+    hw = get(name)
+    return hw.peak_fp8 if kind == "fp8" else hw.peak_int8 if kind == "int8" else 0.0
 
 
 def mfu(flops: float, seconds: float, device_kind: str, compute_dtype: str, n_devices: int,
