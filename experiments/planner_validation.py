@@ -4,6 +4,8 @@
     python experiments/planner_validation.py --update-docs   # also rewrite docs/planner.md's table
     python experiments/planner_validation.py --only fsdp8    # a subset (substring match)
     python experiments/planner_validation.py --live-set      # also XLA:CPU's heap packing
+    python experiments/planner_validation.py --published     # the step time against published
+                                                             # runs (no compilation; --update-docs)
 
 Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8;
 `jaxscale.analysis.validation` `tiny_config`) or the small one on the 8 simulated CPU devices, and
@@ -12,6 +14,12 @@ kind, mesh axes) of the census in bytes (2%; XLA:CPU's all-reduce + slice for a 
 the LM head's optional backward all-gather are handled by `jaxscale.analysis.validation`, and each
 row says so), and matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in
 `jaxscale.analysis.validation.CASES`.
+
+With --published the planner predicts each published training run of
+`jaxscale.analysis.validation.PUBLISHED` (Megatron-LM, BLOOM, torchtitan, Llama 3, Megatron-Core
+MoE, the H200 measurement) and compares its MFU with the published one (both counted with
+`ModelConfig.flops_per_token` over the dense 16-bit peak): a table, `published.json` and
+`published.png` (predicted against published MFU, the 15% band) in the output folder.
 
 With --live-set XLA dumps each train step's buffer assignment and live ranges, and each row adds
 the live-set peak (the most bytes of temporaries alive at once in the schedule) and XLA's packing
@@ -31,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cpu_only  # first: 8 simulated devices before jax is imported
+from _common import cpu_only, pyplot, savefig  # first: 8 simulated devices before jax
 
 cpu_only()
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,9 +123,68 @@ def summary(results: list[dict]) -> str:
                f"their live-set peak." if packing else ""))
 
 
-def update_docs(table: str, path: Path) -> None:
+def published_markdown(rows: list[dict]) -> str:
+    """The published runs against the planner: the table, then the runs outside 15% and why,
+    then each run's source and the assumptions its source leaves open."""
+    lines = ["| # | run | GPUs | layout | published (as stated) | MFU published | MFU predicted "
+             "| predicted / published |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        mark = "" if r["inside"] else (" (outside)" if r["outside"] else " **(outside!)**")
+        lines.append(f"| {i} | {r['name']} | {r['gpus']:,} {r['hardware']} | {r['layout']} | "
+                     f"{r['stated']} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | "
+                     f"{r['ratio']:.2f}{mark} |")
+    inside = sum(r["inside"] for r in rows)
+    lines += ["", f"{inside} of {len(rows)} runs within 15% of the published MFU. Outside, and "
+              "why:", ""]
+    lines += [f"- {i}. {r['name']} ({r['ratio']:.2f}): {r['outside'] or 'NOT EXPLAINED'}."
+              for i, r in enumerate(rows, 1) if not r["inside"]]
+    lines += ["", "Sources, and what they leave open (the planner's assumption):", ""]
+    lines += [f"- {i}. {r['source']}" + (f"; {r['note']}" if r["note"] else "") + "."
+              for i, r in enumerate(rows, 1)]
+    return "\n".join(lines)
+
+
+def published_figure(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    top = max(max(r["published_mfu"], r["predicted_mfu"]) for r in rows) * 1.1
+    xs = [0, top]
+    ax.plot(xs, xs, color="k", lw=1)
+    ax.fill_between(xs, [0.85 * x for x in xs], [1.15 * x for x in xs], color="0.85",
+                    label="within 15%")
+    for i, r in enumerate(rows, 1):
+        color = {"a100": "tab:green", "a100-opa": "tab:green"}.get(r["hardware"], "tab:blue")
+        ax.scatter(r["published_mfu"], r["predicted_mfu"], color=color,
+                   marker="o" if r["inside"] else "x")
+        ax.annotate(str(i), (r["published_mfu"], r["predicted_mfu"]), fontsize=8,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("published MFU (green: A100, blue: H100/H200)")
+    ax.set_ylabel("planner's MFU")
+    ax.set_title("Step time against published runs (x: outside 15%)")
+    ax.legend(loc="upper left")
+    savefig(fig, path)
+
+
+def run_published(args) -> int:
+    rows = validation.published_rows()
+    table = published_markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "published.md").write_text(table + "\n")
+    (out / "published.json").write_text(json.dumps(rows, indent=2) + "\n")
+    published_figure(rows, out / "published.png")
+    if args.update_docs:
+        update_docs(table, ROOT / "docs" / "planner.md", "published")
+        shutil.copy(out / "published.png", ROOT / "docs" / "img" / "planner_published.png")
+    return 0 if all(r["inside"] or r["outside"] for r in rows) else 1
+
+
+def update_docs(table: str, path: Path, marker: str = "validation") -> None:
     text = path.read_text()
-    begin, end = "<!-- validation:begin -->", "<!-- validation:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     if begin not in text or end not in text:
         raise SystemExit(f"{path} lacks the {begin} ... {end} markers")
     head, rest = text.split(begin, 1)
@@ -132,7 +199,11 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every row of every case")
     ap.add_argument("--live-set", action="store_true",
                     help="also XLA's packing: compiled temp / the live-set peak of its schedule")
+    ap.add_argument("--published", action="store_true",
+                    help="the step time against published training runs (no compilation)")
     args = ap.parse_args(argv)
+    if args.published:
+        return run_published(args)
     names = [n for n in CASES if not args.only or args.only in n]
     results = []
     for name in names:

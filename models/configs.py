@@ -32,6 +32,25 @@ CONFIGS: dict[str, ModelConfig] = {
                                 ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, moe_experts=8,
                                 moe_top_k=2),
 }
+
+
+def _gpt(n_layers: int, dim: int, n_heads: int, vocab: int = 51200) -> ModelConfig:
+    """A GPT-3-style shape (Megatron-LM's GPT: LayerNorm, a GeLU MLP of width 4 h, tied
+    embeddings, sequence 2048) as the LLaMA block with the same matmuls: multi-head attention
+    (kv heads = heads) and a SwiGLU of width 8 h / 3 rounded to a multiple of 16 (3 h f = the GeLU
+    MLP's 8 h^2), so 12 h^2 per layer and the same training FLOPs per token to 0.01% (biases,
+    norms and learned positions aside). For the published runs the planner is checked against
+    (`jaxscale.analysis.validation.PUBLISHED`)."""
+    return ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                       n_kv_heads=n_heads, ffn_dim=round(8 * dim / 3 / 16) * 16,
+                       max_seq_len=2048, tie_embeddings=True)
+
+
+# Megatron-LM's weak-scaling models (Narayanan et al., SC'21, arXiv 2104.04473, Table 1), the
+# 530B one MT-NLG's shape (arXiv 2201.11990); BLOOM (arXiv 2211.05100: vocabulary 250,880)
+CONFIGS.update({"gpt-1.7b": _gpt(24, 2304, 24), "gpt-18.4b": _gpt(40, 6144, 48),
+                "gpt-145.6b": _gpt(80, 12288, 96), "gpt-530b": _gpt(105, 20480, 128),
+                "gpt-1t": _gpt(128, 25600, 160), "bloom-176b": _gpt(70, 14336, 112, 250880)})
 for _n in ("8b", "70b", "405b"):
     CONFIGS[f"llama3.1-{_n}"] = ModelConfig(**{**CONFIGS[f"llama3-{_n}"].__dict__,
                                                "max_seq_len": 131072,
