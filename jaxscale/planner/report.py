@@ -64,11 +64,15 @@ def format_prediction(pred) -> str:
 
 def format_search(result, top: int = 10) -> str:
     acc, rej = result.accepted, result.rejected
-    lines = [f"{len(acc)} plans fit, {len(rej)} rejected", "",
-             f"  {'#':>3}  {'plan':<52}{'memory':>11}{'step s':>10}{'MFU':>7}"]
+    lines = [result.summary() if hasattr(result, "summary") else
+             f"{len(acc)} plans fit, {len(rej)} rejected"]
+    if getattr(result, "options", None) is not None:
+        lines.append(f"searched: {result.options.describe()}")
+    w = max([len(p.spec.label()) + 2 for p in acc[:top]] + [52])
+    lines += ["", f"  {'#':>3}  {'plan':<{w}}{'memory':>11}{'step s':>10}{'MFU':>7}"]
     from jaxscale.plan import unavailable
     for i, p in enumerate(acc[:top], 1):
-        lines.append(f"  {i:>3}  {p.spec.label():<52}{nbytes(p.memory.total):>11}"
+        lines.append(f"  {i:>3}  {p.spec.label():<{w}}{nbytes(p.memory.total):>11}"
                      f"{p.time.total:>10.4g}{p.time.mfu:>7.1%}"
                      + ("  (not in train yet)" if unavailable(p.spec) else ""))
     if len(acc) > top:

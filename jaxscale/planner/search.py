@@ -1,62 +1,55 @@
-"""Search: every plan a mesh allows, under its memory limit, ranked by predicted step time.
+"""Search: the fastest plans a mesh allows under its memory limit, by predicted step time.
 
-Candidates: every assignment of the device count to (dp, pp, fsdp, sp, tp) degrees (ep with a
-mixture of experts) whose product is the device count, with tp and sp inside one node, crossed with
-ZeRO stage (when dp > 1), remat policy (none, save_dots, full), accumulation or pipeline micro-
-batches, the pipeline schedule (1F1B, interleaved, ZB-H1, ZB-V), and when the data axes reduce
-the gradients (`plan.grad_sync`, where the modes differ: `sync_modes`). Node boundaries follow
-the mesh's outer-to-inner order: the outermost axes take the cross-node (DCN) part, as
-`MeshConfig.dcn_*` would. Precision and offload stay as configured (they change numerics or need
-host memory the user must grant); `does_not_fit_message` does consider them as fixes.
+What it varies (`space.py`): every layout of the devices over (dp, pp, fsdp, sp, tp) degrees
+(ep with a mixture of experts) with tp and sp inside a node; ZeRO stage, gradient-sync mode
+(`plan.grad_sync`), pipeline schedule and micro-batches; the memory axes remat policy,
+accumulation, and (only when nothing fits without) the offload rungs; then, on the best plans,
+the precision (bf16, and fp8 QAT on Hopper; the configured one on CPU or where fixed), ZeRO++
+parts where weights are gathered across nodes, and the pipeline's stage layouts (balanced or
+even), with ZeRO-Offload's host update and the nvme tier on offloaded plans.
 
-Each candidate is either accepted (valid and fits) or rejected with its reason: the first
+How, without predicting every combination: every layout is first probed with its reference
+families (`space.references`: each ZeRO stage, the default sync, 1F1B): its most frugal
+point first (a layout where that does not fit is rejected whole), then its memory axes from
+the cheapest point up. The `expand` layouts with the fastest probe are searched through every
+family. Inside a family a point is skipped when a point that saves no more memory already fits
+(it can only be slower: remat, micro-batches and offload each cost time along their axis), or
+when one that saves more did not (it cannot fit). The `refine` fastest plans are then varied in
+precision, ZeRO++ and stage layout. `exhaustive=True` expands every layout.
+
+Each plan predicted is either accepted (valid and fits) or rejected with its reason: the first
 validation problem (`jaxscale.plan.problems`, the same checks `train` makes), a strategy `train`
 cannot run yet (`jaxscale.plan.unavailable`; `include_unavailable=True` ranks those too, marked),
-or the predicted total against the device capacity.
+or the predicted total against the device capacity (`limit` overrides it).
 """
 from __future__ import annotations
 
-import math
+import itertools
+import time
 from dataclasses import dataclass, field, replace
 
 from jaxscale import plan as plan_lib
-from jaxscale.axes import MESH_AXES as AXES
-from jaxscale.plan import Spec
-from jaxscale.planner.predict import predict, predict_spec
+from jaxscale.plan import OPTIONS, Spec
+from jaxscale.planner import memory, perf, space
+from jaxscale.planner.predict import Prediction, predict, predict_spec
+from jaxscale.planner.space import factorizations, place_on_nodes, sync_modes  # noqa: F401
+from jaxscale.strategies.pp import stages
 from jaxscale.strategies.remat import SEARCHED
 
 REMATS = SEARCHED
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def factorizations(n: int, axes: tuple[str, ...]) -> list[dict]:
-    """All ways to write n as an ordered product over `axes`."""
-    if len(axes) == 1:
-        return [{axes[0]: n}]
-    out = []
-    for d in _divisors(n):
-        for rest in factorizations(n // d, axes[1:]):
-            out.append({axes[0]: d, **rest})
-    return out
-
-
-def place_on_nodes(degrees: dict, nodes: int) -> dict:
-    """dcn degrees: the outermost axes absorb the node count first."""
-    dcn, left = {}, nodes
-    for a in AXES:
-        g = math.gcd(left, degrees.get(a, 1))
-        dcn[a] = g
-        left //= g
-    return dcn
+EXPAND = 6          # layouts searched through every family
+REFINE = 6          # plans varied in precision, ZeRO++, stage layout, offload tier
 
 
 @dataclass
 class Result:
     accepted: list = field(default_factory=list)     # Predictions, fastest first
     rejected: list = field(default_factory=list)     # (Spec, reason)
+    layouts: int = 0            # layouts of the devices considered
+    expanded: int = 0           # of them searched through every family
+    pruned: int = 0             # points skipped as dominated or hopeless
+    seconds: float = 0.0
+    options: object = None      # the space.Options searched
 
     def reasons(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -67,77 +60,163 @@ class Result:
             out[key] = out.get(key, 0) + 1
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
+    def summary(self) -> str:
+        return (f"{len(self.accepted)} plans fit, {len(self.rejected)} rejected; "
+                f"{self.layouts} layouts probed, {self.expanded} searched through every family, "
+                f"{self.pruned} dominated points skipped, in {self.seconds:.2f} s")
 
-def candidates(base: Spec) -> list[Spec]:
-    n = base.n_devices
-    nodes = max(1, math.prod(base.dcn.get(a, 1) for a in AXES))
-    per_node = n // nodes
-    axes = tuple(a for a in AXES if a != "ep" or base.moe)
-    out = []
-    for deg in factorizations(n, axes):
-        deg = {a: deg.get(a, 1) for a in AXES}
-        if deg["tp"] * deg["sp"] > per_node and nodes > 1:
-            continue                               # model-parallel axes stay inside a node
-        dcn = place_on_nodes(deg, nodes) if nodes > 1 else {a: 1 for a in AXES}
-        local = base.batch // max(1, deg["dp"] * deg["fsdp"] * deg["ep"])
-        zeros = (0, 1, 2, 3) if deg["dp"] > 1 else (0,)
-        if deg["pp"] > 1:
-            micro = sorted({m for m in (deg["pp"], 2 * deg["pp"], 4 * deg["pp"])
-                            if local and local % m == 0}) or [deg["pp"]]
-            schedules = ("1f1b", "interleaved", "zb-h1", "zb-v")
+
+class _Run:
+    """One search: predictions memoised by plan, each accepted or rejected once."""
+
+    def __init__(self, limit, include_unavailable):
+        self.limit, self.include_unavailable = limit, include_unavailable
+        self.res, self.seen = Result(), {}
+
+    def evaluate(self, spec: Spec):
+        """(fits, Prediction | None); None when the plan is invalid."""
+        key = (tuple(spec.degrees.items()), tuple(spec.dcn.items()),
+               *(getattr(spec, k) for k in OPTIONS))
+        if key in self.seen:
+            return self.seen[key]
+        errs = spec.problems()
+        if not self.include_unavailable:
+            errs = plan_lib.unavailable(spec) + errs
+        if errs:
+            self.res.rejected.append((spec, errs[0]))
+            out = (False, None)
         else:
-            micro = [k for k in (1, 2, 4) if local and local % k == 0] or [1]
-            schedules = ("1f1b",)
-        for z in zeros:
-            for remat in REMATS:
-                for k in micro:
-                    for sched in schedules:
-                        if sched == "zb-v" and k < 2 * deg["pp"]:
-                            continue               # its V needs two micro-batches per device
-                        for sync in sync_modes(deg, z, k):
-                            out.append(replace(
-                                base, degrees=deg, dcn=dcn, zero=z, remat=remat, accumulate=k,
-                                schedule=sched, grad_sync=sync,
-                                virtual_stages=2 if sched == "interleaved" else 1))
-    return out
+            pred = _predict(spec)
+            cap = self.limit or pred.capacity
+            host_cap = spec.hardware.host_bytes / (spec.n_devices if spec.device_kind == "cpu"
+                                                   else 1)
+            if pred.memory.total > cap:
+                self.res.rejected.append((spec, f"needs {_gb(pred.memory.total)} per device > "
+                                                f"{_gb(cap)}"))
+                out = (False, pred)
+            elif pred.memory.host_total > host_cap:
+                self.res.rejected.append((spec, f"host memory: needs "
+                                                f"{_gb(pred.memory.host_total)} per device > "
+                                                f"{_gb(host_cap)}"))
+                out = (False, pred)
+            else:
+                self.res.accepted.append(pred)
+                out = (True, pred)
+        self.seen[key] = out
+        return out
+
+    def walk(self, spec: Spec, axes: list) -> Prediction | None:
+        """A family's memory axes: the most frugal point first (nothing fits if it does not),
+        then from the cheapest point up, skipping dominated and hopeless points; returns the
+        fastest fitting prediction."""
+        def at(pt):
+            upd = {}
+            for axis, i in zip(axes, pt):
+                upd.update(axis[i])
+            return spec.with_(**upd)
+        corner = tuple(len(a) - 1 for a in axes)
+        fits, fails, best = [], [], None
+        grid = [corner] + [pt for pt in itertools.product(*(range(len(a)) for a in axes))
+                           if pt != corner]
+        for pt in grid:
+            if any(all(p >= f for p, f in zip(pt, q)) for q in fits) or \
+                    any(all(p <= f for p, f in zip(pt, q)) for q in fails):
+                self.res.pruned += 1
+                continue
+            ok, pred = self.evaluate(at(pt))
+            if ok:
+                fits.append(pt)
+                best = pred if best is None or pred.time.total < best.time.total else best
+            elif pred is not None:
+                fails.append(pt)
+            if pt == corner and not ok:
+                self.res.pruned += len(grid) - 1
+                break
+        return best
 
 
-def sync_modes(deg: dict, zero: int, k: int) -> tuple[str, ...]:
-    """The gradient-sync modes that make different programs (`strategies.dp`): with one
-    micro-batch, one; `step` where an axis splits the parameters (fsdp, ZeRO-3's dp: more
-    memory, fewer bytes); `microbatch` where a replicated dp axis would be reduced once (a
-    sharded accumulator under ZeRO-2: less memory, more bytes)."""
-    if k == 1:
-        return ("auto",)
-    out = ["auto"]
-    if deg["fsdp"] > 1 or (zero >= 3 and deg["dp"] > 1):
-        out.append("step")
-    if deg["dp"] > 1 and zero < 3:
-        out.append("microbatch")
-    return tuple(out)
+def _predict(spec: Spec) -> Prediction:
+    """`predict_spec` without validating again (the search has)."""
+    mem = memory.estimate(spec)
+    comms = plan_lib.collectives(spec)
+    fl = perf.flops(spec)
+    return Prediction(spec, mem, comms, fl, perf.step_time(spec, fl, comms, mem))
 
 
 def search(cfg, n_devices: int | None = None, *, base: Spec | None = None,
-           limit: float | None = None, include_unavailable: bool = False) -> Result:
-    """Enumerate, validate, predict and rank; `limit` overrides the device memory (bytes)."""
+           limit: float | None = None, include_unavailable: bool = False, fixed=(),
+           expand: int = EXPAND, refine: int = REFINE, exhaustive: bool = False) -> Result:
+    """The fastest plans for `cfg`'s model, batch and hardware on its devices (`base`: the Spec
+    to start from; `limit`: device memory in bytes instead of the hardware's; `fixed`: plan keys
+    of `space.FIXABLE` the user set, held at their configured values)."""
+    t0 = time.perf_counter()
     base = base or Spec.from_config(cfg, n_devices)
-    res = Result()
-    for spec in candidates(base):
-        errs = spec.problems()
-        if not include_unavailable:
-            errs = plan_lib.unavailable(spec) + errs
-        if errs:
-            res.rejected.append((spec, errs[0]))
-            continue
-        pred = predict_spec(spec)
-        cap = limit or pred.capacity
-        if pred.memory.total > cap:
-            res.rejected.append((spec, f"needs {_gb(pred.memory.total)} per device > "
-                                       f"{_gb(cap)}"))
-            continue
-        res.accepted.append(pred)
+    opts = space.options(base, fixed)
+    run = _Run(limit, include_unavailable)
+    prec, qat = opts.precisions[0]
+    start = base.with_(precision=prec, qat=qat)
+    lays = [start.with_(degrees=deg, dcn=dcn) for deg, dcn in space.layouts(start)]
+    run.res.layouts = len(lays)
+    for offload in ([], opts.offload):
+        if offload and run.res.accepted:
+            break                                   # offload only where nothing fits without
+        probed = []
+        for i, spec in enumerate(lays):
+            found = [run.walk(_pin(spec.with_(**fam)), axes + ([offload] if offload else []))
+                     for fam, axes in space.references(spec)]
+            times = [p.time.total for p in found if p is not None]
+            if times:
+                probed.append((min(times), i, spec))
+        probed.sort(key=lambda t: t[:2])
+        chosen = probed if exhaustive else probed[:expand]
+        run.res.expanded = len(chosen)
+        for _, _, spec in chosen:
+            for fam, axes in space.families(spec):
+                run.walk(_pin(spec.with_(**fam)), axes + ([offload] if offload else []))
+    _refine(run, opts, refine)
+    res = run.res
+    res.accepted = [replace(p, spec=_unpin(p.spec)) for p in res.accepted]
+    res.rejected = [(_unpin(s), why) for s, why in res.rejected]
     res.accepted.sort(key=lambda p: p.time.total)
+    res.options, res.seconds = opts, time.perf_counter() - t0
     return res
+
+
+def _refine(run: _Run, opts, n: int) -> None:
+    """The `n` fastest distinct plans, varied in precision, ZeRO++, stage layout and (offloaded
+    plans) the offload tier and update."""
+    seeds = sorted(run.res.accepted, key=lambda p: p.time.total)[:n]
+    for pred in seeds:
+        s = _unpin(pred.spec)
+        for prec, qat in opts.precisions:
+            v = s.with_(precision=prec, qat=qat)
+            variants = [v] + [v.with_(zeropp=z) for z in space.zeropp_options(v, opts)]
+            variants += [v.with_(stage_layers=c) for c in space.stage_layouts(v, opts)]
+            if s.offload != "none" and s.offload_update == "device":
+                variants.append(v.with_(offload_update="host"))
+            if s.offload != "none" and s.offload_tier == "host" and s.offload_dir:
+                variants.append(v.with_(offload_tier="nvme"))
+            for var in variants:
+                run.evaluate(_pin(var))
+
+
+def _pin(spec: Spec) -> Spec:
+    """A pipeline's `auto` stage layout as its explicit counts: the same plan, whose prediction
+    then parses the counts instead of balancing the stages again at every use."""
+    if spec.deg("pp") == 1 or spec.stage_layers != "auto":
+        return spec
+    try:
+        return spec.with_(stage_layers=",".join(map(str, stages.counts(spec))))
+    except ValueError:
+        return spec
+
+
+def _unpin(spec: Spec) -> Spec:
+    """`_pin` undone: explicit counts equal to `auto`'s are `auto` again."""
+    if spec.deg("pp") == 1 or spec.stage_layers == "auto":
+        return spec
+    auto = spec.with_(stage_layers="auto")
+    return auto if _pin(auto).stage_layers == spec.stage_layers else spec
 
 
 def _gb(x: float) -> str:
