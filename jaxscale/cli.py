@@ -45,6 +45,7 @@ def _train_out(args):
 def _resume_command(args) -> str:
     """The command line that resumes this run (under `jaxscale launch` when launched by it)."""
     parts = ["train", args.experiment, *[a for s in args.set for a in ("--set", s)]]
+    parts += ["--plan", args.plan] if args.plan != "config" else []
     parts += ["--steps", str(args.steps)] if args.steps is not None else []
     parts += ["--out", args.out] if args.out else []
     prefix = os.environ.get("JAXSCALE_LAUNCH_PREFIX", "jaxscale")
@@ -56,6 +57,7 @@ def cmd_train(args) -> int:
     initialize_from_env()
     from jaxscale.train.loop import TrainingStopped, train
     cfg = _load(args, out=_train_out(args), checkpoints=True, data=True)
+    cfg, record = _plan_auto(args, cfg)
     try:
         summary = train(cfg, out=args.out, resume=args.resume,
                         resume_command=_resume_command(args))
@@ -65,8 +67,31 @@ def cmd_train(args) -> int:
         return EXIT_STOPPED
     import jax
     if jax.process_index() == 0:
+        if record is not None:          # the choice beside the run's own summary
+            from pathlib import Path
+            summary["plan_auto"] = record
+            (Path(summary["out"]) / "summary.json").write_text(json.dumps(summary, indent=2)
+                                                               + "\n")
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def _plan_auto(args, cfg):
+    """`--plan auto`: (the chosen plan's config, the record of the choice), printed; else
+    (cfg, None)."""
+    if args.plan != "auto":
+        return cfg, None
+    import jax
+
+    from jaxscale.analysis import autoplan
+    fixed = [k for k in autoplan.FIXABLE if any(s.split("=", 1)[0].strip() == f"plan.{k}"
+                                                for s in args.set)]
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) \
+        if jax.process_index() == 0 else None
+    cfg, record = autoplan.choose(cfg, fixed=fixed, say=say)
+    if say:
+        say(autoplan.format_record(record))
+    return cfg, record
 
 
 def cmd_launch(args) -> int:
@@ -103,7 +128,10 @@ def _launch_async(args, command: list[str]) -> int:
 
 def cmd_inspect(args) -> int:
     from jaxscale.analysis import inspect
-    rep = inspect.report(_load(args))
+    cfg, record = _plan_auto(args, _load(args))
+    rep = inspect.report(cfg)
+    if record is not None:
+        rep["plan_auto"] = record
     print(json.dumps(rep, indent=2) if args.json else inspect.format_report(rep))
     return 0
 
@@ -225,16 +253,24 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--devices", type=arg(lo=1), default=8,
                         help="simulated CPU devices when no accelerator is present (default 8)")
 
+    def plan_flag(sp):
+        sp.add_argument("--plan", choices=("config", "auto"), default="config",
+                        help="config: the configured mesh degrees and plan (default); auto: the "
+                             "fastest predicted plan that fits, its compiled memory checked "
+                             "before the first step, the next one where it does not fit")
+
     t = sub.add_parser("train", help="train an experiment")
     common(t)
     t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     t.add_argument("--out", help="run directory (default runs/<name>)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in the run directory")
+    plan_flag(t)
     t.set_defaults(func=cmd_train)
     i = sub.add_parser("inspect", help="compile the train step; report memory, census, FLOPs")
     common(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    plan_flag(i)
     i.set_defaults(func=cmd_inspect)
     from jaxscale.planner.command import add_arguments as plan_arguments
     pl = sub.add_parser("plan", help="predict per-device memory, communication and step time "
