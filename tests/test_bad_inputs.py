@@ -105,6 +105,13 @@ CASES = {
                              "--", "train", T], "--elastic restarts on the processes left"),
     "elastic without restarts": (["launch", "--elastic", "--", "train", T],
                                  "--elastic acts on a restart: give --max-restarts N"),
+    # ---- cluster names and --plan
+    "cluster name incomplete": (["plan", "--mesh", "h100x8x"],
+                                "unknown mesh preset 'h100x8x'; valid: cpu8"),
+    "cluster kind": (["train", T, "--set", "mesh=h900x8x2"], "unknown device kind 'h900'"),
+    "cluster degrees": (["plan", "--mesh", "h100x8x8", "--set", "mesh.tp=8"],
+                        "= 512 devices but 64 are present"),
+    "plan choice": (["train", T, "--plan", "fastest"], "argument --plan: invalid choice"),
     # ---- missing path
     "no such experiment": (["inspect", "{tmp}/nothere.py"],
                            "unknown experiment '{tmp}/nothere.py'"),
