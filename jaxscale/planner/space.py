@@ -10,16 +10,17 @@ without a pipeline (1, 2, 4), and the offload rungs (`OFFLOAD`, tried only when 
 without them). The search walks a family's memory axes from the cheapest point and skips every
 point another fitting point dominates (`search.py`).
 
-The precisions (`precisions`): on a GPU bf16 with fp32 master weights, and where the device has
-fp8 matrix units (`has_fp8`) fp8 quantisation-aware training (`plan.qat=fp8`) beside it; on
-CPU, or where the user fixed it, the configured one. ZeRO++ parts (`zeropp`) where weights are
-gathered across nodes; pipeline stage layouts (`stage_layouts`): the balanced `auto` (uneven
-where the embedding and the head make the edge stages costlier) and the even split.
+The precisions (`options`): on a GPU bf16 with fp32 master weights, and where the device has
+fp8 matrix units (`Hardware.peak_fp8`) fp8 quantisation-aware training (`plan.qat=fp8`) beside
+it; on CPU, or where the user fixed it, the configured one. ZeRO++ parts (`zeropp_options`)
+where weights are gathered across nodes; pipeline stage layouts (`stage_layouts`): the balanced
+`auto` (uneven where the embedding and the head make the edge stages costlier) and the even
+split.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jaxscale.axes import MESH_AXES as AXES
 from jaxscale.strategies import zeropp as zeropp_lib
@@ -27,8 +28,6 @@ from jaxscale.strategies.pp import stages
 from jaxscale.strategies.remat import SEARCHED as REMATS
 from jaxscale.strategies.zero import gather_axes
 
-#: devices with fp8 tensor cores (Hopper), where the hardware profile does not say (`peak_fp8`)
-FP8_DEVICES = ("h100", "h200", "h800")
 #: pipeline schedules tried with mesh.pp > 1
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 #: ZeRO++ combinations tried where weights are gathered across nodes (invalid ones dropped)
@@ -44,33 +43,28 @@ class Options:
     zeropp: bool = True                          # try ZeRO++ parts where they apply
     stage_layouts: bool = True                   # try the even split beside auto
     offload: tuple = ()                          # the offload rungs, least offloaded first
-    notes: list = field(default_factory=list)    # what was held fixed, and why
 
     def describe(self) -> str:
         prec = ", ".join(p if q == "none" else f"{p}+{q} QAT" for p, q in self.precisions)
-        return (f"precision {prec}; ZeRO++ {'searched' if self.zeropp else 'as configured'}; "
-                f"stage layouts {'auto, even' if self.stage_layouts else 'as configured'}; "
-                f"offload {'/'.join(o['offload'] for o in self.offload) or 'as configured'} "
-                f"(only if nothing fits without)")
+        rungs = ", ".join(o["offload"] for o in self.offload)
+        return (f"precision {prec}; "
+                + ("ZeRO++ where weights are gathered across nodes; " if self.zeropp else "")
+                + ("pipeline stages balanced and even; " if self.stage_layouts else "")
+                + (f"offload {rungs} only if nothing fits without" if rungs else
+                   "offload as configured"))
 
 
 def options(base, fixed=()) -> Options:
     """The `Options` for `base` (a Spec): `fixed` names `FIXABLE` keys the user set."""
     fixed = set(fixed)
-    notes = []
     gpu = base.device_kind != "cpu"
-    if not gpu or "precision" in fixed or base.precision != "fp32":
-        prec = [base.precision]
-        notes.append("precision as configured" + ("" if gpu else " (CPU)"))
-    else:
-        prec = ["bf16"]
-    if "qat" in fixed or base.qat != "none" or not gpu:
-        precisions = [(p, base.qat) for p in prec]
-    else:
-        precisions = [(p, "none") for p in prec]
-        if has_fp8(base.hardware) and prec != ["fp32"]:
-            precisions += [(p, "fp8") for p in prec if p != "fp32"]
-    mixed = any(p != "fp32" for p, _ in precisions)
+    prec = "bf16" if gpu and base.precision == "fp32" and "precision" not in fixed \
+        else base.precision
+    precisions = [(prec, base.qat)]
+    if gpu and prec != "fp32" and base.qat == "none" and "qat" not in fixed \
+            and base.hardware.peak_fp8 > 0:
+        precisions.append((prec, "fp8"))
+    mixed = prec != "fp32"
     offload = []
     if "offload" not in fixed and base.offload == "none":
         rungs = ["optimizer", "optimizer+master", "optimizer+master+params"] if mixed else \
@@ -78,13 +72,7 @@ def options(base, fixed=()) -> Options:
         offload = [{"offload": r} for r in rungs]
     return Options(tuple(precisions), "zeropp" not in fixed and base.zeropp == "none",
                    "stage_layers" not in fixed and base.stage_layers == "auto",
-                   tuple(offload), notes)
-
-
-def has_fp8(hw) -> bool:
-    """Whether the device has fp8 matrix units (its profile's `peak_fp8`, else `FP8_DEVICES`)."""
-    peak = getattr(hw, "peak_fp8", None)
-    return peak > 0 if peak is not None else hw.name in FP8_DEVICES
+                   tuple(offload))
 
 
 # ----------------------------------------------------------------------------- layouts
