@@ -102,7 +102,7 @@ def walk(model: str, mesh: str, seq: int, batch: int) -> list[dict]:
             best = q
     spec = best.spec if best else spec.with_(remat="full")
     record("activation memory: the fastest remat policy that fits", spec)
-    res = search.search(cfg, base=spec)
+    res = search.search(cfg, base=spec, fixed=("qat",))   # the layout step: precision as set
     same = [q for q in res.accepted if q.spec.precision == spec.precision
             and q.spec.deg("pp") == 1 and q.spec.deg("sp") == 1]
     if same:

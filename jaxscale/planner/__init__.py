@@ -10,8 +10,11 @@ The plan (`jaxscale.plan.Spec`) and every formula come from the strategy modules
 (`jaxscale/strategies/*`: their collectives and memory terms), the same ones `train` builds from
 and `inspect` compares against; the planner adds the model's tables and the time model.
 Modules: `predict` (a plan's `Prediction`), `memory` (the per-device ledger), `perf` (FLOPs, time,
-MFU), `gpt` (the GPT block of the literature), `search` (enumeration, ranking, what would make a
-plan fit), `report` (table, JSON, PNG), `command` (`jaxscale plan`). The model tables they read
+MFU), `gpt` (the GPT block of the literature), `space` (the options the search crosses: layouts,
+precision, ZeRO++, offload rungs), `search` (enumeration, pruning, ranking, what would make a plan
+fit), `overrides` (a plan as the `--set` keys of a runnable `jaxscale train` line), `report`
+(table, JSON, PNG), `command` (`jaxscale plan`); `jaxscale.analysis.autoplan` compiles the
+search's choice (`--plan auto`). The model tables they read
 (parameters, activations per layer) are `jaxscale.strategies.tables`; the check against the compiler
 is `jaxscale.analysis.validation`.
 """
