@@ -9,7 +9,7 @@
 
 Each case compiles the train step of the tiny LLaMA (2 layers, seq 32, batch 8;
 `jaxscale.analysis.validation` `tiny_config`) or the small one on the 8 simulated CPU devices, and
-compares, per device: argument+output bytes (tolerance 5%), temp bytes (20%), every (collective
+compares, per device: argument+output bytes (tolerance 5%), temp bytes (15%), every (collective
 kind, mesh axes) of the census in bytes (2%; XLA:CPU's all-reduce + slice for a reduce-scatter and
 the LM head's optional backward all-gather are handled by `jaxscale.analysis.validation`, and each
 row says so), and matmul FLOPs against the HLO's dot FLOPs (5%). Add a plan: one line in

@@ -29,7 +29,7 @@ def _compiled(plan):
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_prediction_matches_compiled_step(plan):
     """arg+output, temp and FLOPs (against the HLO's dot FLOPs) within `validation.TOLERANCE` (5%,
-    20%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled
+    15%, 5%), and every (kind, axes) row of the census within 2%. Two XLA behaviours are handled
     explicitly, not by tolerance: XLA:CPU emits each predicted reduce-scatter as all-reduce + slice
     (the prediction names that kind per collective), and the LM head's backward all-gather is
     `optional` (XLA's CSE merges it with the forward one on some configs, not on others)."""
@@ -327,13 +327,15 @@ def test_a_once_per_step_sync_that_does_not_fit_is_refused_before_compiling():
     extra = planner.predict(step).memory.total - planner.predict(
         apply_overrides(base, sets)).memory.total
     # every parameter's other 7/8: held in bf16, accumulated in fp32 (the loop's carry in and
-    # out), a micro-batch's bf16 gradient before it is added; less the two gathered layers in
-    # flight the per-micro-batch mode counts (one computing, one prefetched)
+    # out), a micro-batch's bf16 gradient before it is added; less what the per-micro-batch
+    # mode counts in the backward: one gathered layer and its largest weight's (an MLP
+    # matrix's) unreduced gradient
     m = step.model
     psi = m.param_count()
     layer = 2 * m.dim * m.n_heads * m.hd + 2 * m.dim * m.n_kv_heads * m.hd \
         + 3 * m.dim * m.ffn_dim + 2 * m.dim
-    assert extra == pytest.approx((2 + 2 * 4 + 2) * psi * 7 / 8 - 2 * 2 * layer, rel=1e-6)
+    assert extra == pytest.approx((2 + 2 * 4 + 2) * psi * 7 / 8
+                                  - 2 * (layer + m.dim * m.ffn_dim), rel=1e-6)
     with pytest.raises(ValueError, match="does not fit") as err:
         planner.check_fits(step)
     assert "--set plan.grad_sync=auto" in str(err.value).splitlines()[2]

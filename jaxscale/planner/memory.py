@@ -18,15 +18,17 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
 - backward: saved activations + the model's terms (the local gradient buffer, one layer's
   activations again while its backward runs: their gradients, a rematerialised layer's rebuilt
   forward; fp32 logits and their gradient) + the strategies' (TP: the q/k/v input-gradient
-  all-reduce buffers; FSDP: one gathered layer and its unreduced gradient; accumulation: the
-  fp32 accumulator);
+  all-reduce buffers; FSDP: one gathered layer and the unreduced gradients XLA holds before
+  scattering them, one weight's, a MoE layer's grouped experts', or the layer's under full remat
+  and the zero-bubble schedules' W pass; accumulation: the fp32 accumulator);
 - update: the gradient buffer + the strategies' (ZeRO-1: the all-reduced gradients;
   accumulation: the accumulator; host offload: one streamed piece, a layer's state and update,
   `offload.memory`). The update writes the donated state in place (its non-finite guard is a
   `lax.cond`, `train.step.update_if_finite`), so no copy of the state is kept.
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
 (`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
-`docs/planner.md` gives the predicted-vs-compiled table (temp within 20% on 45 of 47 cpu8 plans).
+`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on 48 of the 53 cpu8
+plans).
 
 The XLA view (`argument`, `output`, `temp`, `alias`) is what `compiled.memory_analysis()` reports:
 arguments are the device-resident state and the batch, outputs the new state (aliased to the

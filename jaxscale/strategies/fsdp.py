@@ -112,12 +112,32 @@ def step_gathered(spec) -> bool:
 
 
 def memory(spec) -> list[Term]:
-    """One gathered layer of weights and that layer's unreduced gradient, during the backward
-    (held whole for the step instead with `plan.grad_sync=step`: `dp.memory`)."""
+    """During the backward: one gathered layer of weights, and the unreduced gradients XLA holds
+    before it scatters them (held whole for the step instead with `plan.grad_sync=step`:
+    `dp.memory`). Read from XLA:CPU buffer assignments (the most weight-shaped bytes alive at
+    once in the backward): each weight's gradient is reduce-scattered as it is produced and
+    each gathered weight freed after its input gradient, so one weight's gradient is unreduced
+    at a time (fsdp8, fsdp8 acc2: the MLP's three gathered matrices, one weight gradient and its
+    transposed copy); the grouped experts' region scatters a MoE layer's expert gradients
+    together, when it ends (`strategies/ep`); the zero-bubble schedules' W pass computes a
+    layer's weight gradients together (pp2 x fsdp4 ZB-H1); under full remat XLA reduces the
+    layer's gradients in one combined all-reduce, holding them all and their reduced copies
+    (fsdp8 bf16 remat=full acc2)."""
+    from jaxscale.strategies.pp.schedules import SPLIT
     if not gather_axes(spec) or step_gathered(spec):
         return []
-    return [Term("backward", 2 * zero.shards(spec).gathered_layer * spec.wire_param_itemsize,
-                 "one gathered layer and its unreduced gradient")]
+    layer = zero.shards(spec).gathered_layer
+    if spec.remat == "full" or (spec.deg("pp") > 1 and spec.schedule in SPLIT):
+        unreduced, what = layer, "the layer's gradients, reduced together"
+    else:
+        per_layer = [(leaf.local_size(spec, drop=("fsdp",)) / spec.stored_layers,
+                      "experts" in leaf.axes) for leaf in leaves(spec.model) if leaf.stacked]
+        experts = sum(size for size, expert in per_layer if expert) if grouped(spec) else 0.0
+        unreduced = max([experts] + [size for size, _ in per_layer])
+        what = ("the layer's expert gradients, scattered together" if experts >= unreduced
+                else "its largest weight's unreduced gradient")
+    return [Term("backward", (layer + unreduced) * spec.wire_param_itemsize,
+                 f"one gathered layer and {what}")]
 
 
 def label(spec) -> list[str]:
