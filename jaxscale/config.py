@@ -19,6 +19,7 @@ from jaxscale.data.documents import FORMATS
 from jaxscale.fields import nonneg, one_of, positive, ranged
 from jaxscale.mesh import MeshConfig
 from jaxscale.models.llama import ModelConfig, RopeScaling
+from jaxscale.psconfig import PsConfig  # noqa: F401  (the ps group, re-exported)
 from jaxscale.strategies.compression import METHODS as COMPRESSIONS
 from jaxscale.strategies.dp import SYNC_MODES
 from jaxscale.strategies.ep import DISPATCHES
@@ -174,46 +175,6 @@ class CheckpointConfig:
     keep_every: int = nonneg(0)       # ... plus every step that is a multiple of M (0: none)
     async_save: bool = True           # write in the background while training continues
     dir: str = ""                     # "" -> <run dir>/checkpoints
-
-
-@dataclass(frozen=True)
-class PsConfig:
-    """Asynchronous training through a parameter server (`jaxscale.ps`, `jaxscale launch
-    --async`): how the server applies what the workers push."""
-    mode: str = one_of("sgd", "sgd", "local")     # push each step's gradients | the parameter
-                                      # change after ps.local_steps local steps (async local SGD)
-    step_rule: str = one_of("constant", "constant", "staleness", "dc")   # the push's step:
-                                      # as is | / (1 + staleness) | delay-compensated (DC-ASGD)
-    dc_lambda: float = nonneg(0.04)   # DC-ASGD's variance-control coefficient
-    max_staleness: int = nonneg(0, note="0: no bound; a staler push is dropped")
-    local_steps: int = positive(8)    # mode=local: local steps between pushes
-    outer_lr: float = positive(1.0)   # mode=local: the server adds outer_lr x the change
-    barrier: bool = False             # synchronous rounds: the server waits for every
-                                      # worker's push and applies their mean (synchronous DP)
-    slow: str = ""                    # "worker:factor,...": slow workers down (experiments)
-
-    def slow_factors(self) -> dict[int, float]:
-        """{worker: factor} of `slow` ("3:4" makes worker 3 four times slower)."""
-        out = {}
-        for part in filter(None, (p.strip() for p in self.slow.split(","))):
-            worker, _, factor = part.partition(":")
-            try:
-                w, f = int(worker), float(factor)
-            except ValueError:
-                raise ValueError(f"ps.slow={self.slow!r}: {part!r} is not worker:factor (e.g. "
-                                 f"'3:4' makes worker 3 four times slower)") from None
-            if w < 0 or f < 1:
-                raise ValueError(f"ps.slow={self.slow!r}: {part!r} needs a worker >= 0 and a "
-                                 f"factor >= 1")
-            out[w] = f
-        return out
-
-    def relations(self) -> list[str]:
-        try:
-            self.slow_factors()
-        except ValueError as e:
-            return [str(e)]
-        return []
 
 
 @dataclass(frozen=True)
