@@ -149,8 +149,9 @@ class Server:
         first = min(self.waiting)
         merged = dict(self.waiting[first][1], loss=loss, tokens=total)
         answer = self._push(first, merged, mean)
-        for v, (_, h, _) in self.waiting.items():
-            self.positions[v] = int(h["position"]) if answer.get("applied") else self.positions[v]
+        if answer.get("applied"):           # every worker of the round moves on
+            self.positions.update({v: int(h["position"]) for v, (_, h, _) in
+                                   self.waiting.items()})
         out = [(ident, answer, []) for ident, _, _ in self.waiting.values()]
         self.waiting = {}
         return out
