@@ -118,6 +118,10 @@ class PlanConfig:
     outer_lr: float = nonneg(0.0)     # 0: the method's (local, post_local, slowmo 1; diloco 0.7)
     outer_momentum: float = ranged(-1.0, lo=-1, below=1)  # -1: the method's (slowmo 0.5,
                                       # diloco 0.9 Nesterov, local and post_local 0)
+    outer_fragments: int = positive(1)  # Streaming DiLoCo: F strided layer fragments, averaged
+    outer_delay: int = one_of(0, 0, 1, note="an XLA collective starts and ends in one compiled "
+                              "step, so an average can overlap the step it is issued in only")
+    outer_mix: float = ranged(0.5, lo=0, hi=1)  # delayed: the replica's own share when merging
     prune: str = "none"               # none | magnitude | N:M (e.g. 2:4): the block matmul
                                       # weights pruned after every update (strategies/prune)
     prune_sparsity: float = ranged(0.5, lo=0, below=1)   # magnitude: target share of zeros

@@ -67,7 +67,8 @@ OPTIONS = ("precision", "loss_scale", "zero", "remat", "offload", "offload_tier"
            "stage_layers", "compression", "compression_block", "compression_density",
            "compression_threshold", "compression_rank", "prune",
            "prune_sparsity", "prune_start", "prune_end", "sparse_embedding", "local_sgd",
-           "local_steps", "local_warmup", "outer_lr", "outer_momentum", "qat", "fp8_amax_history",
+           "local_steps", "local_warmup", "outer_lr", "outer_momentum", "outer_fragments",
+           "outer_delay", "outer_mix", "qat", "fp8_amax_history",
            "moe_dispatch", "moe_buffer", "zeropp", "zeropp_block", "qgz_bits",
            "fp8_param_gather")
 
@@ -117,6 +118,9 @@ class Spec:
     local_warmup: int = 0               # post_local: synchronous steps first
     outer_lr: float = 0.0               # 0: the method's
     outer_momentum: float = -1.0        # -1: the method's
+    outer_fragments: int = 1            # Streaming DiLoCo's fragments (local_sgd/fragments.py)
+    outer_delay: int = 0                # 1: the average overlaps the next inner step
+    outer_mix: float = 0.5              # delayed: the replica's own share in the merge
     prune: str = "none"                 # pruning during training (strategies/prune)
     prune_sparsity: float = 0.5
     prune_start: int = 0

@@ -31,6 +31,16 @@ gradient norm the mean of the replicas' norms. A replica whose step is not finit
 (its own decision: no collective before a local update); loss scaling halves if any overflowed.
 With pruning, each replica is masked after its inner update and the anchor after each average.
 
+Streaming (Streaming DiLoCo, arXiv 2501.18512; `fragments.py`): `plan.outer_fragments=F` cuts
+the model into F strided layer fragments, each averaged once every H steps at its own offset, so
+a step all-reduces at most one fragment's 4 Psi / F (the same 4 Psi / H per step on average:
+the peak falls F-fold); `plan.outer_delay=1` takes each average from the replica as the step
+starts, so its all-reduce depends on nothing the step computes and overlaps the step's forward
+and backward (each branch of the switch then holds the whole step), and lands at the step's end,
+where the replica's parts are merged, `plan.outer_mix` (alpha, 0.5) x its own + (1 - alpha) x
+the new anchor: the outer update is one step late, the link is never waited on. An XLA
+collective starts and ends inside one compiled step, so one step is the most it can overlap.
+
 With `plan.compression` the average is the method's compressed mean of the changes
 (`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`), its collectives in
 place of the fp32 all-reduce (`compression.collectives`, at 1/H).
@@ -45,6 +55,7 @@ Needs ZeRO 0: ZeRO would split over dp one optimizer state that the dp ranks no 
 from __future__ import annotations
 
 from jaxscale.strategies.common import Comm, Term
+from jaxscale.strategies.compression.formulas import STATEFUL as STATEFUL_COMPRESSION
 
 NAME = "local_sgd"
 AVAILABLE = True
@@ -70,7 +81,10 @@ def hparams(spec) -> tuple[float, float, bool]:
 
 def problems(spec) -> list[str]:
     if not active(spec):
-        return []
+        return ([] if not streaming(spec) else
+                [f"plan.outer_fragments={spec.outer_fragments} and plan.outer_delay="
+                 f"{spec.outer_delay} stream local SGD's averages: set plan.local_sgd (e.g. "
+                 f"diloco), or leave them at 1 and 0"])
     if spec.local_sgd not in METHODS:
         return [f"plan.local_sgd={spec.local_sgd!r}: valid are none, {', '.join(METHODS)}"]
     m, errs = spec.local_sgd, []
@@ -90,9 +104,33 @@ def problems(spec) -> list[str]:
     if m != "post_local" and spec.local_warmup > 0:
         errs.append(f"plan.local_warmup={spec.local_warmup} applies to plan.local_sgd=post_local "
                     f"only: set it to 0, or use post_local")
+    errs += streaming_problems(spec)
     if m in ("local", "post_local") and (spec.outer_lr not in (0, 1) or spec.outer_momentum > 0):
         errs.append(f"plan.local_sgd={m} averages the replicas (outer lr 1, momentum 0): for an "
                     f"outer learning rate or momentum use plan.local_sgd=slowmo or diloco")
+    return errs
+
+
+def streaming(spec) -> bool:
+    """Whether the averages stream: fragments, or each one overlapping the next inner step."""
+    return spec.outer_fragments > 1 or spec.outer_delay > 0
+
+
+def streaming_problems(spec) -> list[str]:
+    F, model, errs = spec.outer_fragments, spec.model, []
+    if F > 1 and model.scan_layers:
+        n = spec.stored_layers if spec.deg("pp") > 1 else model.n_layers
+        if n % F:
+            errs.append(f"plan.outer_fragments={F}: fragment p holds the layers p, p + F, ... of "
+                        f"each layer stack, which needs F to divide the {n} stacked layers: "
+                        f"choose a divisor of {n}")
+    elif F > model.n_layers:
+        errs.append(f"plan.outer_fragments={F} is more than the {model.n_layers} layers: at "
+                    f"most one fragment per layer")
+    if streaming(spec) and spec.compression in STATEFUL_COMPRESSION:
+        errs.append(f"plan.compression={spec.compression} keeps an error-feedback state per whole "
+                    f"leaf; averaging it by fragments or delayed is not built yet: use bf16, fp8 "
+                    f"or int8 compression, or plan.outer_fragments=1 plan.outer_delay=0")
     return errs
 
 
@@ -105,16 +143,31 @@ def collectives(spec) -> list[Comm]:
     if not active(spec):
         return []
     n, H = spec.deg("dp"), max(1, spec.local_steps)
-    from jaxscale.strategies.tables.params import leaves
-    size = sum(leaf.local_size(spec) for leaf in leaves(spec.model))     # a device's shard
-    average = [Comm("all-reduce", ("dp",), 4 * size / H, 1,
-                    f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of "
-                    f"it)", group=n)] if spec.compression == "none" else []   # else compressed
+    when = "as the next step runs" if spec.outer_delay else "blocking"
+    average = [Comm("all-reduce", ("dp",), b / H, 1,
+                    (f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of "
+                     f"it)" if len(average_bytes(spec)) == 1 else
+                     f"fragment group {g} of {spec.outer_fragments}'s changes averaged once every "
+                     f"H={H} steps (fp32; per step 1/H of it)") + f", {when}", group=n,
+                    overlap=bool(spec.outer_delay))
+               for g, b in enumerate(average_bytes(spec))
+               ] if spec.compression == "none" else []   # else compressed
     return average + [
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
                  "the step's metrics: loss x tokens, tokens, gradient norm, non-finite flag"
                  + (", the 3 router metrics" if spec.moe else ""),
                  group=n)]
+
+
+def average_bytes(spec) -> list[float]:
+    """The fp32 bytes per device one average all-reduces, for each kind of averaging step: the
+    whole replica, or streaming's fragment groups in offset order (the largest is the peak a
+    step puts on the link)."""
+    from jaxscale.strategies.local_sgd import fragments
+    if not streaming(spec):
+        from jaxscale.strategies.tables.params import leaves
+        return [4 * sum(leaf.local_size(spec) for leaf in leaves(spec.model))]
+    return [4 * g for g in fragments.group_sizes(spec)]
 
 
 def memory(spec) -> list[Term]:
@@ -140,15 +193,21 @@ def outer_state_bytes(spec) -> float:
 
 
 def label(spec) -> list[str]:
-    return [f"{spec.local_sgd}-H{spec.local_steps}"] if active(spec) else []
+    if not active(spec):
+        return []
+    return [f"{spec.local_sgd}-H{spec.local_steps}"
+            + (f"-F{spec.outer_fragments}" if spec.outer_fragments > 1 else "")
+            + ("-delayed" if spec.outer_delay else "")]
 
 
 def branch_share(spec) -> list[float]:
     """How often each branch of the step's `lax.switch` runs (inner step; inner step and
-    average; post_local's synchronous step) after the warmup: what `hlo.Module` weighs the census
+    average, or streaming's one per fragment group; post_local's synchronous step) after the
+    warmup: what `hlo.Module` weighs the census
     and FLOPs by."""
     H = max(1, spec.local_steps)
-    return [1 - 1 / H, 1 / H] + ([0.0] if spec.local_warmup > 0 else [])
+    G = len(average_bytes(spec))        # streaming: one branch per group of fragments
+    return [1 - G / H] + [1 / H] * G + ([0.0] if spec.local_warmup > 0 else [])
 
 
 # ----------------------------------------------------------------------------- the step side

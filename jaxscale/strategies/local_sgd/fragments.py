@@ -1,0 +1,118 @@
+"""Streaming DiLoCo's fragments (arXiv 2501.18512): the model cut into F parts that are averaged
+at staggered steps, each once every H steps, so a step moves at most one part's bytes.
+
+Fragment p holds the layers p, p + F, p + 2F, ... (strided, as the paper chooses: every
+pipeline stage then holds an equal share of every fragment, and neighbouring layers are not
+averaged together); of the leaves outside the layers the embedding goes to fragment 0, the final
+norm and the head to fragment F - 1. A layer-stacked leaf [n, ...] gives fragment p its rows
+p::F, taken as [n / F, F, ...][:, p] so that a split of the stacked axis (over pp) stays local.
+
+Fragment p is averaged after the inner steps c = o_p, o_p + H, o_p + 2H, ... with the offset
+o_p = p H // F (fragments with the same offset, when F > H, go together: one group). With F = 1
+it is DiLoCo's schedule; at H = 1 every fragment is averaged at every step.
+
+The formula side (`group_sizes`) reads the same assignment from the parameter table
+(`jaxscale.strategies.tables.params`), so the census can be held to it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STRIDED = -1         # a layer-stacked leaf: every fragment holds its rows p::F
+
+
+def owner(path: str, stacked: bool, F: int) -> int:
+    """The fragment of a leaf by its path ("embed", "layers/attn/wq", "layers/3/mlp/w_up",
+    "norm/scale", "head"): STRIDED for a stacked leaf, a fragment number otherwise."""
+    if F == 1:
+        return 0
+    if stacked:
+        return STRIDED
+    m = re.match(r"layers/(\d+)/", path)
+    if m:
+        return int(m.group(1)) % F
+    return 0 if path.startswith("embed") else F - 1
+
+
+def offsets(F: int, H: int) -> list[int]:
+    """Each fragment's offset in the period: o_p = p H // F."""
+    return [p * H // F for p in range(F)]
+
+
+def groups(F: int, H: int) -> list[tuple[int, ...]]:
+    """The fragments averaged together, in the order of their offsets (one `lax.switch` branch
+    each)."""
+    offs = offsets(F, H)
+    return [tuple(p for p in range(F) if offs[p] == o) for o in sorted(set(offs))]
+
+
+def branch_table(F: int, H: int) -> list[int]:
+    """For each residue r = c mod H of the inner-step count c: 0 (no fragment averaged) or 1 +
+    the index of the group averaged after it."""
+    out = [0] * H
+    for g, frags in enumerate(groups(F, H)):
+        out[offsets(F, H)[frags[0]] % H] = 1 + g
+    return out
+
+
+def group_sizes(spec) -> list[float]:
+    """Per-device elements of each group (a device's shards of every leaf part it holds), in
+    the order of `groups`: what one average of that group all-reduces (x 4 bytes, fp32)."""
+    from jaxscale.strategies.tables.params import leaves
+    F, H = spec.outer_fragments, max(1, spec.local_steps)
+    per = [0.0] * F
+    for leaf in leaves(spec.model):
+        size, o = leaf.local_size(spec), owner(leaf.path, leaf.stacked, F)
+        for p in (range(F) if o == STRIDED else [o]):
+            per[p] += size / F if o == STRIDED else size
+    return [sum(per[p] for p in g) for g in groups(F, H)]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The runtime side: each flattened parameter leaf's owner, and the fragments' parts of a
+    list of leaves (the parameters' order)."""
+    F: int
+    owners: tuple[int, ...]
+
+    @classmethod
+    def of(cls, params, stacked: set[int], F: int) -> Cut:
+        import jax
+        paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+                 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        return cls(F, tuple(owner(path, j in stacked, F) for j, path in enumerate(paths)))
+
+    def members(self, frags) -> list[tuple[int, int]]:
+        """(leaf number, fragment) of every part the fragments `frags` hold."""
+        return [(j, p) for p in frags for j, o in enumerate(self.owners)
+                if o == p or o == STRIDED]
+
+    def take(self, leaves, frags) -> list:
+        """The parts of `leaves` that fragments `frags` hold, in `members` order."""
+        return [self._part(leaves[j], j, p) for j, p in self.members(frags)]
+
+    def put(self, leaves, frags, parts) -> list:
+        """`leaves` with the fragments' parts replaced by `parts` (`members` order)."""
+        out = list(leaves)
+        for (j, p), part in zip(self.members(frags), parts):
+            if self.owners[j] != STRIDED:
+                out[j] = part.astype(out[j].dtype)
+                continue
+            x = out[j]
+            rows = x.reshape((x.shape[0] // self.F, self.F) + x.shape[1:])
+            out[j] = rows.at[:, p].set(part.astype(x.dtype)).reshape(x.shape)
+        return out
+
+    def merge(self, rep, anchor, frags, alpha: float) -> list:
+        """The replica's leaves `rep` with the fragments' parts restarted from the anchor's:
+        alpha x the replica's own + (1 - alpha) x the anchor's, in fp32 (alpha 0: replaced)."""
+        new = [x.astype("float32") for x in self.take(anchor, frags)]
+        if alpha:
+            new = [alpha * o + (1 - alpha) * x for o, x in zip(self.take(rep, frags), new)]
+        return self.put(rep, frags, new)
+
+    def _part(self, x, j, p):
+        if self.owners[j] != STRIDED:
+            return x
+        return x.reshape((x.shape[0] // self.F, self.F) + x.shape[1:])[:, p]
