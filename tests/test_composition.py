@@ -1,4 +1,4 @@
-"""The composition table: every pair of 26 plan options validated as `train` validates a plan.
+"""The composition table: every pair of 28 plan options validated as `train` validates a plan.
 
 Every refusal between options that involve neither the pipeline nor mixture-of-experts is one
 that no implementation could run, named in `REASONS` with why, or one of the few `PENDING`
@@ -15,7 +15,7 @@ def table():
 
 
 def test_every_pair_is_validated(table):
-    assert len(composition.OPTIONS) == 27 and len(table) == 351
+    assert len(composition.OPTIONS) == 28 and len(table) == 378
 
 
 def test_every_pipeline_pair_is_accepted_or_refused_for_a_reason(table):

@@ -3,6 +3,8 @@ fragments.py`): fragments at H = 1 equal synchronous DP, each fragment averaged 
 offset, each step's census the all-reduce of one fragment group (the peak falls F-fold, the
 mean per step stays blocking DiLoCo's), the delayed average landing one step late with its
 all-reduce independent of the step's compute, the merge's arithmetic, and refusals."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import local_sgd
 from jaxscale.strategies.local_sgd import fragments
 from jaxscale.train.setup import build
+from tests import numerics
 from tests.test_local_sgd import DP8, SGD, batch, host, run
 
 STREAM = ("plan.local_sgd=diloco", "plan.local_steps=2", "plan.outer_fragments=2",
@@ -183,10 +186,32 @@ def test_merge_mixes_the_fragments_parts_only():
 
 @pytest.mark.parametrize("overrides, message", [
     (("plan.outer_fragments=2",), "stream local SGD's averages: set plan.local_sgd"),
-    ((*STREAM[:2], "plan.outer_fragments=3"), "needs F to divide the 2 stacked layers"),
+    ((*STREAM[:2], "plan.outer_fragments=3"), "F must divide the 2 layers of each layer stack"),
     ((*STREAM, "plan.compression=powersgd"), "error-feedback state per whole leaf"),
     ((*STREAM[:2], "plan.outer_delay=2"), "can overlap the step it is issued in only"),
 ])
 def test_streaming_plans_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         plan.validate(tiny_config(*DP8, *overrides), 8)
+
+
+def test_fragments_compose_with_pipeline_stages_of_tp_groups():
+    """Each dp rank a replica that is a pp2 x tp2 pipeline (each stage stores 2 of the 4 layers,
+    and holds one of each fragment's): F = 2 at H = 1 with the linear inner SGD is DP's step on
+    the same mesh over 3 updates, and the census is the formula row by row."""
+    mesh = ("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1", "model.n_layers=4",
+            "plan.accumulate=2", "data.batch_size=8")
+    stream = ("plan.local_sgd=diloco", "plan.outer_lr=1", "plan.outer_momentum=0",
+              "plan.local_steps=1", "plan.outer_fragments=2")
+    dp = numerics.run((*mesh, *SGD))
+    got = numerics.run((*mesh, *SGD, *stream))
+    numerics.assert_matches(got, dp, dataclasses.replace(
+        numerics.FP32, grads=None, why="the same fp32 steps; local SGD's step shows no mean "
+        "gradient, the weights after each update are compared"))
+    spec = plan.Spec.from_config(tiny_config(*mesh, *SGD, *stream, *numerics.REAL_UPDATES),
+                                 8).with_(device_kind="cpu")
+    rows_ = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        got.text, got.setup.placement.mesh, plan.branch_share(spec)))
+    assert {tuple(r["axes"]) for r in rows_} >= {("dp",), ("pp",), ("tp",)}
+    for r in rows_:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r

@@ -120,10 +120,12 @@ def streaming_problems(spec) -> list[str]:
     F, model, errs = spec.outer_fragments, spec.model, []
     if F > 1 and model.scan_layers:
         n = spec.stored_layers if spec.deg("pp") > 1 else model.n_layers
+        where = (f"the {n} rows of each layer stack a pipeline device stores (so that no layer "
+                 f"moves between stages)" if spec.deg("pp") > 1 else
+                 f"the {n} layers of each layer stack")
         if n % F:
-            errs.append(f"plan.outer_fragments={F}: fragment p holds the layers p, p + F, ... of "
-                        f"each layer stack, which needs F to divide the {n} stacked layers: "
-                        f"choose a divisor of {n}")
+            errs.append(f"plan.outer_fragments={F}: fragment p holds the layers p, p + F, ...; "
+                        f"F must divide {where}: choose a divisor of {n}")
     elif F > model.n_layers:
         errs.append(f"plan.outer_fragments={F} is more than the {model.n_layers} layers: at "
                     f"most one fragment per layer")
