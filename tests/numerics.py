@@ -106,6 +106,7 @@ class Trajectory:
     metrics: list = field(default_factory=list)
     text: str = ""               # the compiled step's HLO (with the gradients as an output)
     setup: object = None
+    compiled: object = None      # that compiled step (its memory analysis, its outputs' layout)
 
 
 def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
@@ -116,7 +117,7 @@ def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
     compiled = setup.lower_train_step().compile()
     batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
     state = setup.init_state()
-    out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup)
+    out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup, compiled=compiled)
     for i in range(steps):
         state, m = compiled(state, batches.device_batch(i, setup.batch_shardings()))
         if "grads" in m:        # at the model's true vocabulary, as one device holds it
