@@ -11,6 +11,11 @@ with its own rows of a 32 x 64 batch and its own AdamW, trained by the framework
   post-local H=16    48 synchronous steps (DP), then local SGD with H = 16 (Lin et al. 2018)
   SlowMo H=16        outer heavy-ball momentum 0.5, lr 1, on the averaged change (arXiv 1910.00643)
   DiLoCo H           outer Nesterov momentum 0.9, lr 0.7 (arXiv 2311.08105), H = 4 and 16
+  Streaming H=16 F=2 (arXiv 2501.18512) DiLoCo H=16 in 2 strided fragments (layer 0 and the
+                     embedding; layer 1, the norm and the head), averaged 8 steps apart:
+                     the same bytes per step on average, half the peak
+  Streaming ... delayed  the same, each average taken as a step starts and landed at its end
+                     (`plan.outer_delay=1`, alpha 0.5): its all-reduce overlaps that step
   DiLoCo H=16, 2 fsdp2xtp2   2 replicas (mesh.dp=2), each an fsdp2 x tp2 group of 4 devices
                      (DiLoCo's islands): the average moves each device's quarter of the
                      parameters over dp, and fsdp/tp run inside each replica as usual
@@ -20,9 +25,12 @@ Every run sees the same batches. Per run: the training loss (the replicas' mean,
 rows), the held-out loss of the averaged model (the anchor, `TrainState.params`) every 32 steps
 (an average step for every H here), and the all-reduce bytes per step read from the compiled
 program's census, the average's `lax.switch` branch weighed 1/H (`plan.branch_share`),
-beside the formula; DP's held-out loss also after steps/16 and steps/4 steps, where it has
-moved as many bytes as local SGD with H = 16 and 4 in the whole run. Writes results.json and
-local_sgd.png under --out. About 2.5 minutes on 2 idle cores (240 s of CPU time).
+beside the formula, and the peak: the most bytes one step all-reduces (the largest branch);
+the bytes of each of the first 48 steps for DiLoCo and the streaming runs; and, by the planner,
+the link bandwidth at which Llama-3-8B's average hides under one step (4 nodes of 8 H100).
+DP's held-out loss also after steps/16 and steps/4 steps, where it has moved as many bytes as
+local SGD with H = 16 and 4 in the whole run. Writes results.json and local_sgd.png under
+--out. About 3 minutes on 2 idle cores.
 """
 from __future__ import annotations
 
@@ -41,11 +49,13 @@ from jaxscale.analysis import inspect  # noqa: E402
 from jaxscale.data import Batches, load_corpus  # noqa: E402
 from jaxscale.strategies import local_sgd  # noqa: E402
 from jaxscale.strategies.local_sgd import averaging as L  # noqa: E402
+from jaxscale.strategies.local_sgd import fragments  # noqa: E402
 from jaxscale.train.setup import build  # noqa: E402
 
 SEQ, BATCH, EVAL_EVERY, EVAL_BATCHES, WARMUP = 64, 32, 32, 4, 48
 METRIC_BYTES = 4 * local_sgd.METRICS     # the step's metrics all-reduce
 ISLANDS = "DiLoCo H=16, 2 fsdp2xtp2"
+STREAM_DELAYED = "Streaming H=16 F=2 delayed"
 ISLAND_STEPS = 32       # its census and two averages (an fsdp x tp step is slow on CPU)
 #: (label, overrides)
 RUNS = [("DP", ()),
@@ -57,18 +67,27 @@ RUNS = [("DP", ()),
         ("SlowMo H=16", ("plan.local_sgd=slowmo", "plan.local_steps=16")),
         ("DiLoCo H=4", ("plan.local_sgd=diloco", "plan.local_steps=4")),
         ("DiLoCo H=16", ("plan.local_sgd=diloco", "plan.local_steps=16")),
+        ("Streaming H=16 F=2", ("plan.local_sgd=diloco", "plan.local_steps=16",
+                                "plan.outer_fragments=2")),
+        (STREAM_DELAYED, ("plan.local_sgd=diloco", "plan.local_steps=16",
+                          "plan.outer_fragments=2", "plan.outer_delay=1")),
         (ISLANDS, ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.local_sgd=diloco",
                    "plan.local_steps=16"))]
 
 
 def train(cfg, train_b, held_b, steps, also=()):
-    """(training losses, [(step, held-out loss of the anchor)], census rows, theory rows); the
-    held-out loss every EVAL_EVERY steps and after the steps in `also`."""
+    """(training losses, [(step, held-out loss of the anchor)], census rows, theory rows, the
+    dp all-reduce bytes of each branch of the step's switch); the held-out loss every
+    EVAL_EVERY steps and after the steps in `also`."""
     s = build(cfg)
     spec = s.placement.spec
     step = s.lower_train_step().compile()
     census = inspect.census(step.as_text(), s.placement.mesh, plan.branch_share(spec))
     theory = inspect.theory_vs_census(plan.collectives(spec), census)
+    share = plan.branch_share(spec) or [1.0]
+    branches = [over_dp(inspect.census(step.as_text(), s.placement.mesh,
+                                       [float(b == i) for b in range(len(share))]))
+                for i in range(len(share))]
     sh = s.batch_shardings()
     state, losses, held = s.init_state(), [], []
     with jax.set_mesh(s.placement.mesh):
@@ -79,7 +98,45 @@ def train(cfg, train_b, held_b, steps, also=()):
                 tot = [s.eval_step(state.params, held_b.device_batch(j, sh))
                        for j in range(EVAL_BATCHES)]
                 held.append((i + 1, float(sum(t for t, _ in tot) / sum(n for _, n in tot))))
-    return losses, held, census, theory
+    return losses, held, census, theory, branches
+
+
+def over_dp(census) -> float:
+    """All-reduce bytes over dp (the replicas' link) in a census."""
+    return sum(r["bytes"] for r in census if r["kind"] == "all-reduce" and r["axes"] == ["dp"])
+
+
+def timeline(spec, branches, steps: int) -> list[float]:
+    """The dp all-reduce bytes of each of the first `steps` steps, by the step's schedule."""
+    if not local_sgd.active(spec):
+        return [branches[0]] * steps
+    if local_sgd.streaming(spec):
+        at = fragments.schedule(spec.outer_fragments, spec.local_steps, steps, spec.outer_delay)
+    else:
+        at = [int(L.is_sync(i, spec.local_steps, spec.local_warmup)) for i in range(steps)]
+    return [branches[b] for b in at]
+
+
+def link_table(model: str = "llama3-8b", H: int = 32) -> list[list]:
+    """By the planner: Llama-3-8B, bf16, FSDP over the 8 H100s of a node, DiLoCo over 4 nodes
+    (global batch 64 x 4096): one average's bytes per device, the step's compute, and the link
+    bandwidth per device at which the average hides under one step (blocking: never)."""
+    from jaxscale import planner
+    from jaxscale.config import Config, apply_overrides
+    rows = []
+    for label, extra in [("DiLoCo (blocking)", ()), ("delayed, F=1", ("plan.outer_delay=1",)),
+                         ("delayed, F=4", ("plan.outer_delay=1", "plan.outer_fragments=4"))]:
+        cfg = apply_overrides(Config(), [
+            f"model={model}", "mesh=h100x8x4", "mesh.dp=4", "mesh.dcn_dp=4", "mesh.fsdp=8",
+            "plan.precision=bf16", "data.batch_size=64", "data.seq_len=4096",
+            "plan.local_sgd=diloco", f"plan.local_steps={H}", *extra])
+        spec = plan.Spec.from_config(cfg)
+        peak = max(local_sgd.average_bytes(spec))
+        t = planner.predict(cfg).time
+        rows.append([label, f"{peak / 1e9:.2f}", f"{t.compute:.3f}",
+                     "-" if not spec.outer_delay else f"{peak / t.compute / 1e9:.1f}",
+                     f"{t.total:.4f}"])
+    return rows
 
 
 def main() -> None:
@@ -101,20 +158,21 @@ def main() -> None:
         # DP also where it has moved as many bytes as local SGD with H = 4 and 16 in the run
         also = (args.steps // 16, args.steps // 4) if label == "DP" else ()
         steps = ISLAND_STEPS if label == ISLANDS else args.steps
-        losses, held, census, theory = train(cfg, train_b, held_b, steps, also)
+        losses, held, census, theory, branches = train(cfg, train_b, held_b, steps, also)
         spec = plan.Spec.from_config(cfg)
         H = spec.local_steps if local_sgd.active(spec) else 1
         warm = spec.local_warmup
-        per_step = sum(r["bytes"] for r in census          # over dp (the replicas' link)
-                       if r["kind"] == "all-reduce" and r["axes"] == ["dp"])
+        per_step = over_dp(census)          # over dp (the replicas' link)
         syncs = steps if not local_sgd.active(spec) else L.syncs(steps, H, warm)
         inner = spec.deg("fsdp") * spec.deg("tp")       # a replica's own split
         run_bytes = syncs * 4 * size / inner + steps * (16 if local_sgd.active(spec) else 0)
         curves[label] = (losses, held)
         final = held[-1][1]
-        rows.append([label, H, f"{per_step:,.0f}", syncs, f"{run_bytes / 2**20:.1f}",
-                     float(np.mean(losses[-16:])), final])
-        results["runs"][label] = {"H": H, "census_bytes_per_step": per_step, "syncs": syncs,
+        rows.append([label, H, f"{per_step:,.0f}", f"{max(branches):,.0f}", syncs,
+                     f"{run_bytes / 2**20:.1f}", float(np.mean(losses[-16:])), final])
+        results["runs"][label] = {"H": H, "census_bytes_per_step": per_step,
+                                  "peak_bytes_per_step": max(branches),
+                                  "bytes_by_step": timeline(spec, branches, 48), "syncs": syncs,
                                   "run_bytes": run_bytes, "train_loss": losses,
                                   "heldout": held, "theory": theory}
         for r in theory:    # DP's 4-byte token count travels in a tuple the census counts as 0
@@ -124,8 +182,8 @@ def main() -> None:
         print(f"{label:<16} held-out {final:.4f}  ({time.time() - t0:.0f} s)", flush=True)
 
     print()
-    print(C.table(["run", "H", "all-reduce B/step (census)", "averages", "MiB moved in run",
-                   "train loss (last 16)", "held-out loss"], rows,
+    print(C.table(["run", "H", "all-reduce B/step (census)", "peak B/step", "averages",
+                   "MiB moved in run", "train loss (last 16)", "held-out loss"], rows,
                   title=f"{args.steps} steps, 8 replicas, {size:,} parameters (4 B each on "
                         f"the wire)"))
     res = results["runs"]
@@ -134,11 +192,24 @@ def main() -> None:
         H = res[label]["H"]
         claims.close(f"{label}: bytes/step = DP's / H (+ {METRIC_BYTES} B of metrics)",
                      res[label]["census_bytes_per_step"] - METRIC_BYTES, dp_bytes / H, 1e-6)
-    over_dp = sum(r["census_bytes"] for r in res[ISLANDS]["theory"]
+    islands_dp = sum(r["census_bytes"] for r in res[ISLANDS]["theory"]
                   if r["kind"] == "all-reduce" and r["axes"] == ["dp"])
     claims.close(f"{ISLANDS}: bytes over dp per step about a quarter of DP's / 16 (each device "
                  f"its fsdp x tp shard; the norm scales split over fsdp only)",
-                 over_dp - METRIC_BYTES, dp_bytes / 4 / 16, 5e-3)
+                 islands_dp - METRIC_BYTES, dp_bytes / 4 / 16, 5e-3)
+    for label in ("Streaming H=16 F=2", STREAM_DELAYED):
+        claims.close(f"{label}: bytes/step = DiLoCo H=16's (the same average, in fragments)",
+                     res[label]["census_bytes_per_step"], res["DiLoCo H=16"][
+                         "census_bytes_per_step"], 1e-6)
+        claims.check(f"{label}: peak bytes in one step below 0.6 of DiLoCo H=16's",
+                     res[label]["peak_bytes_per_step"], res["DiLoCo H=16"]["peak_bytes_per_step"],
+                     res[label]["peak_bytes_per_step"]
+                     < 0.6 * res["DiLoCo H=16"]["peak_bytes_per_step"])
+    links = link_table()
+    print(C.table(["Llama-3-8B, DiLoCo H=32 over 4 nodes", "GB per average (per device)",
+                   "compute s/step", "link GB/s to hide it in one step", "step s (planner)"],
+                  links, title="streaming at scale, by the planner"))
+    results["link_table"] = links
     held = {k: v["heldout"][-1][1] for k, v in res.items()}
     claims.check("local SGD: averaging every 16 steps ends above averaging every step",
                  held["local H=16"], held["local H=1"], held["local H=16"] > held["local H=1"])
@@ -148,6 +219,9 @@ def main() -> None:
                  held["DiLoCo H=16"], held["DP"], held["DiLoCo H=16"] <= 1.15 * held["DP"])
     claims.check("post-local H=16 at or below local H=16 (held-out)", held["post-local H=16"],
                  held["local H=16"], held["post-local H=16"] <= held["local H=16"])
+    for label in ("Streaming H=16 F=2", STREAM_DELAYED):
+        claims.check(f"{label}: held-out loss within 3% of DiLoCo H=16's", held[label],
+                     held["DiLoCo H=16"], abs(held[label] / held["DiLoCo H=16"] - 1) <= 0.03)
     dp_at = dict(res["DP"]["heldout"])
     for label in ("local H=4", "local H=16", "SlowMo H=16", "DiLoCo H=16"):
         H = res[label]["H"]
@@ -156,8 +230,8 @@ def main() -> None:
     results["dp_at_equal_bytes"] = dp_at
 
     plt = C.pyplot()
-    fig, axs = plt.subplots(1, 3, figsize=(17, 4.8))
-    colors = dict(zip([r[0] for r in RUNS], plt.cm.tab10(np.arange(len(RUNS)))))
+    fig, axs = plt.subplots(1, 4, figsize=(22, 4.8))
+    colors = dict(zip([r[0] for r in RUNS], [*plt.cm.tab10(np.arange(10)), "black"]))
     k = 8
     for label, (losses, held_c) in curves.items():
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
@@ -179,6 +253,13 @@ def main() -> None:
                xlabel="KiB per device per step", xscale="log")
     from matplotlib.ticker import NullFormatter
     axs[2].xaxis.set_minor_formatter(NullFormatter())      # after the log scale sets its own
+    for i, label in enumerate(("DiLoCo H=16", "Streaming H=16 F=2", STREAM_DELAYED)):
+        b = np.asarray(res[label]["bytes_by_step"]) / 2**10
+        axs[3].bar(np.arange(1, len(b) + 1) + 0.28 * (i - 1), b, width=0.28, label=label,
+                   color=colors[label])
+    axs[3].set(title="all-reduce bytes over dp, step by step (census)", xlabel="step",
+               ylabel="KiB per device")
+    axs[3].legend(fontsize=7)
     axs[0].legend(fontsize=7)
     path = C.save(fig, args.out, "local_sgd.png")
     if args.figure:

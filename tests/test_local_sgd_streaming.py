@@ -81,6 +81,8 @@ def test_fragments_at_h1_equal_synchronous_dp():
 def test_each_fragment_is_averaged_at_its_offset(blocking):
     s, _, init, seen = blocking
     assert fragments.offsets(2, 2) == [0, 1] and fragments.branch_table(2, 2) == [1, 2]
+    assert fragments.schedule(2, 2, 3) == [2, 1, 2] and fragments.schedule(2, 2, 3, 1) == [0, 2, 1]
+    assert fragments.schedule(4, 8, 9) == [0, 2, 0, 3, 0, 4, 0, 1, 0]
     # step 0 (1 inner step: fragment 1's offset) averages fragment 1 only, step 1 fragment 0
     assert synced(seen[0], 1) and not synced(seen[0], 0)
     assert synced(seen[1], 0) and not synced(seen[1], 1)
@@ -215,3 +217,27 @@ def test_fragments_compose_with_pipeline_stages_of_tp_groups():
     assert {tuple(r["axes"]) for r in rows_} >= {("dp",), ("pp",), ("tp",)}
     for r in rows_:
         assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
+
+
+def test_planner_hides_a_delayed_average_under_one_step():
+    """The planner: blocking, the average's time (per step 1/H of it) is on the critical path;
+    delayed, each average hides under the one step it overlaps, and only its excess shows."""
+    from jaxscale import planner
+    from jaxscale.config import Config, apply_overrides
+    from jaxscale.planner import perf
+
+    def predict(*extra):
+        cfg = apply_overrides(Config(), [
+            "model=llama3-8b", "mesh=h100x8x4", "mesh.dp=4", "mesh.dcn_dp=4", "mesh.fsdp=8",
+            "plan.precision=bf16", "data.batch_size=64", "data.seq_len=4096",
+            "plan.local_sgd=diloco", "plan.local_steps=32", *extra])
+        spec = plan.Spec.from_config(cfg)
+        avg = [c for c in plan.collectives(spec) if "averaged once every" in c.what]
+        return planner.predict(cfg).time, [perf.collective_time(spec, c) for c in avg]
+    blocking, (t,) = predict()
+    delayed, (t2,) = predict("plan.outer_delay=1")
+    assert t2 == pytest.approx(t) and t > 0
+    assert blocking.critical_comm - delayed.critical_comm == pytest.approx(t, rel=1e-6)
+    assert delayed.exposed_comm - blocking.exposed_comm == pytest.approx(
+        max(0.0, 32 * t - delayed.compute) / 32, abs=1e-9)
+    assert delayed.total < blocking.total

@@ -246,11 +246,15 @@ def window(c: Comm) -> str:
     """The compute an overlappable collective can hide under: `step` for the gradient reduction
     run once per step after the last micro-batch (the data region's, `strategies/dp`), `update`
     for ZeRO-1/2's gather of the updated parameters (`strategies/zero.py`), else `all` (per
-    micro-batch traffic: FSDP gathers and reductions, pipeline sends)."""
+    micro-batch traffic: FSDP gathers and reductions, pipeline sends), `period` for streaming
+    local SGD's delayed average: issued once every H steps as a step starts, it hides under
+    that one step's compute (its per-step bytes are 1/H of one average's)."""
     if "once per step" in c.what and c.kind in ("all-reduce", "reduce-scatter"):
         return "step"
     if "updated parameters" in c.what:
         return "update"
+    if "as the next step runs" in c.what:
+        return "period"
     return "all"
 
 
@@ -277,10 +281,13 @@ def step_time(spec, fl: Flops, comms: list[Comm], memory) -> StepTime:
     times = [(c, collective_time(spec, c)) for c in comms if not c.optional]
     critical = sum(t for c, t in times if not c.overlap)
     over = {w: sum(t for c, t in times if c.overlap and window(c) == w)
-            for w in ("all", "step", "update")}
+            for w in ("all", "step", "update", "period")}
     rec = fl.recompute / max(fl.per_device, 1e-30)
     backward = compute * (2 / 3 * (1 - rec) + rec) / k      # the last micro-batch's backward
-    exposed_comm = (exposed(over["all"], compute, layers + 1)
+    H = max(1, spec.local_steps)      # a delayed average: each one against one step
+    exposed_comm = (sum(max(0.0, t * H - compute) / H for c, t in times
+                        if c.overlap and window(c) == "period")
+                    + exposed(over["all"], compute, layers + 1)
                     + exposed(over["step"], backward, layers + 1)
                     + exposed(over["update"], compute / (3 * k), layers + 1))
     bubble = bubble_fraction(spec) * (compute + critical)

@@ -56,6 +56,17 @@ def branch_table(F: int, H: int) -> list[int]:
     return out
 
 
+def schedule(F: int, H: int, steps: int, delay: int = 0, warmup: int = 0) -> list[int]:
+    """The branch each of the first `steps` steps takes (the step's `stream_parts.branch`): 0,
+    1 + the group it averages, or 1 + the groups for post_local's synchronous warmup steps.
+    Delayed, the average after inner-step count c is taken by step c."""
+    table, out = branch_table(F, H), []
+    for s in range(steps):
+        c = s + 1 - delay - warmup
+        out.append(len(groups(F, H)) + 1 if s < warmup else table[c % H] if c >= 1 else 0)
+    return out
+
+
 def group_sizes(spec) -> list[float]:
     """Per-device elements of each group (a device's shards of every leaf part it holds), in
     the order of `groups`: what one average of that group all-reduces (x 4 bytes, fp32)."""
