@@ -28,8 +28,8 @@ def make_train_step(spec, ctx, outer, n_metrics: int):
     after = ctx.parts.after_update(ctx) if ctx.parts.after_update else None    # pruning
     mean = outer_mean(spec, ctx)
 
-    streaming, delay = spec.outer_fragments > 1 or spec.outer_delay > 0, spec.outer_delay
-    part = stream_parts(spec, ctx, outer, n, mean) if streaming else None
+    delay = spec.outer_delay           # streaming: fragments, or each average one step late
+    part = stream_parts(spec, ctx, outer, n, mean) if spec.outer_fragments > 1 or delay else None
 
     def body(step, anchor, outer_state, comm, batch, scale, limit, *probed):
         """One device: its replica's inner step, then (every H-th step) the average; in
