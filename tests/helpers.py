@@ -20,3 +20,10 @@ def subprocess_env(tmp_path_factory) -> dict:
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
+
+
+def assert_temp_within_tolerance(cmp: dict) -> None:
+    """The planner's temp against the compiled step's, within `validation.TOLERANCE` (15%)."""
+    from jaxscale.analysis.validation import TOLERANCE
+    temp = next(r["ratio"] for r in cmp["memory"] if r["what"] == "temp")
+    assert abs(temp - 1) <= TOLERANCE["temp"], cmp["memory"]
