@@ -179,11 +179,6 @@ def main() -> None:
                          abs(r["census_bytes"] - r["theory_bytes"]) <= 4)
         print(f"{label:<16} held-out {final:.4f}  ({time.time() - t0:.0f} s)", flush=True)
 
-    print()
-    print(C.table(["run", "H", "all-reduce B/step (census)", "peak B/step", "averages",
-                   "MiB moved in run", "train loss (last 16)", "held-out loss"], rows,
-                  title=f"{args.steps} steps, 8 replicas, {size:,} parameters (4 B each on "
-                        f"the wire)"))
     res = results["runs"]
     dp_bytes = res["DP"]["census_bytes_per_step"]
     for label in ("local H=4", "local H=16", "DiLoCo H=16"):
@@ -203,9 +198,16 @@ def main() -> None:
                  stream["peak_bytes_per_step"], blocking["peak_bytes_per_step"],
                  stream["peak_bytes_per_step"] < 0.6 * blocking["peak_bytes_per_step"])
     links = link_table()
+    print()
     print(C.table(["Llama-3-8B, DiLoCo H=32 over 4 nodes", "GB per average (per device)",
                    "compute s/step", "link GB/s to hide it in one step", "step s (planner)"],
                   links, title="streaming at scale, by the planner"))
+    # the runs' table last: the gallery shows an experiment's last table
+    print()
+    print(C.table(["run", "H", "all-reduce B/step (census)", "peak B/step", "averages",
+                   "MiB moved in run", "train loss (last 16)", "held-out loss"], rows,
+                  title=f"{args.steps} steps, 8 replicas, {size:,} parameters (4 B each on "
+                        f"the wire)"))
     results["link_table"] = links
     held = {k: v["heldout"][-1][1] for k, v in res.items()}
     claims.check("local SGD: averaging every 16 steps ends above averaging every step",

@@ -173,7 +173,8 @@ def run_one(topic: int, script: Path, out_root: Path, tree: Path,
     if (out / "results.json").is_file():
         results = json.loads((out / "results.json").read_text())
         results = results if isinstance(results, dict) else {"rows": results}
-    figures = sorted(out.rglob("*.png"), key=lambda p: p.stat().st_mtime)
+    # the experiment's own figures (its folder's top level) before its runs' loss plots
+    figures = sorted(out.rglob("*.png"), key=lambda p: (p.parent != out, p.stat().st_mtime))
     figure = f"img/{script.stem}.png" if figures else None
     failed = rc != 0 or (not figures and not results)
     return {"topic": topic, "script": f"experiments/{script.name}", "rc": rc,
