@@ -2,7 +2,8 @@
 fragments.py`): fragments at H = 1 equal synchronous DP, each fragment averaged at its own
 offset, each step's census the all-reduce of one fragment group (the peak falls F-fold, the
 mean per step stays blocking DiLoCo's), the delayed average landing one step late with its
-all-reduce independent of the step's compute, the merge's arithmetic, and refusals."""
+all-reduce independent of the step's compute, the merge's arithmetic, stateful compression
+with a state per fragment group, and refusals."""
 import dataclasses
 
 import jax
@@ -189,12 +190,56 @@ def test_merge_mixes_the_fragments_parts_only():
 @pytest.mark.parametrize("overrides, message", [
     (("plan.outer_fragments=2",), "stream local SGD's averages: set plan.local_sgd"),
     ((*STREAM[:2], "plan.outer_fragments=3"), "F must divide the 2 layers of each layer stack"),
-    ((*STREAM, "plan.compression=powersgd"), "error-feedback state per whole leaf"),
     ((*STREAM[:2], "plan.outer_delay=2"), "can overlap the step it is issued in only"),
 ])
 def test_streaming_plans_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         plan.validate(tiny_config(*DP8, *overrides), 8)
+
+
+@pytest.mark.parametrize("method", [("plan.compression=powersgd", "plan.compression_rank=2"),
+                                    ("plan.compression=topk", "plan.compression_density=0.1")])
+def test_compressed_fragments_keep_a_state_per_group(method):
+    """A stateful compression (error feedback, PowerSGD's Q) streams with a state per fragment
+    group, of the group's parts: the delayed step 1 averages fragment 1 (outer lr 1, momentum 0)
+    into exactly the anchor less the method's mean over dp of the changes anchor - replica of
+    its parts, from group 1's state as it was (`methods.per_device_mean`, top-k's k its density
+    of the group's elements), leaves group 0's state and fragment 0's parts alone; every census
+    row is the formula's (each group's compressed bytes, per step 1/H)."""
+    from jaxscale.strategies import compression
+    from jaxscale.strategies.compression import methods
+    s = build(tiny_config(*DP8, *STREAM, *method, "plan.outer_delay=1", "plan.outer_lr=1",
+                          "plan.outer_momentum=0"))
+    spec, mesh = s.placement.spec, s.placement.mesh
+    step = s.lower_train_step().compile()
+    before, state = None, s.init_state()
+    with jax.set_mesh(mesh):
+        for i in range(2):
+            before = host(state)
+            state, _ = step(state, batch(i))
+    after = host(state)
+    cut = fragments.Cut.of_paths(before.params, 2)
+    take = lambda tree: cut.take(jax.tree.leaves(tree), (1,))
+    anchor = take(before.params)
+    reps = [take(jax.tree.map(lambda a, d=d: a[d], before.comm["params"])) for d in range(8)]
+    changes = [np.stack([a - r[k] for r in reps]) for k, a in enumerate(anchor)]
+    shapes = [c.shape[1:] for c in changes]
+    ref = methods.per_device_mean(spec.compression, mesh, ("dp",),
+                                  **compression.params(spec, shapes))
+    mean, own = ref(changes, before.comm["mean"][1])
+    for got, a, m in zip(take(after.params), anchor, mean):
+        np.testing.assert_allclose(got, a - np.asarray(m), rtol=0, atol=2e-6 * np.abs(a).max())
+    for x, y in zip(jax.tree.leaves(after.comm["mean"][1]), jax.tree.leaves(own)):
+        np.testing.assert_allclose(x, np.asarray(y), rtol=0, atol=2e-6 * max(1, np.abs(x).max()))
+    assert jax.tree.all(jax.tree.map(np.array_equal, after.comm["mean"][0],
+                                     before.comm["mean"][0]))
+    keep = lambda tree: cut.take(jax.tree.leaves(tree), (0,))
+    assert all(np.array_equal(x, y) for x, y in zip(keep(after.params), keep(before.params)))
+    rows_ = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        step.as_text(), mesh, plan.branch_share(spec)))
+    assert any("compressed average" in c.what for c in plan.collectives(spec))
+    for r in rows_:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
 
 
 def test_fragments_compose_with_pipeline_stages_of_tp_groups():

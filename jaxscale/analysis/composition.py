@@ -71,12 +71,7 @@ REASONS: dict[str, str] = {
 #: refused pairs that an implementation could run and that are not built yet: (a, b) -> what
 #: it takes. `tests/test_composition.py` holds this list to what validation refuses, so it
 #: shrinks as they are built and cannot grow unnoticed.
-PENDING: dict[tuple[str, str], str] = {
-    ("PowerSGD", "Streaming DiLoCo"):
-        "the compressed mean's error feedback (and PowerSGD's Q) is one state per whole leaf; "
-        "streaming averages a fragment's rows of each leaf, so the state must be cut the same "
-        "way (its rows p::F) and PowerSGD's low-rank factors kept per fragment",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def overrides(*names: str) -> tuple[str, ...]:

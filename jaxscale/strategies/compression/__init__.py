@@ -14,8 +14,9 @@ and tp inside) compresses exactly its cross-node reduction. The result is the wh
 every dp rank; ZeRO-1/2/3 slice their shards of it (the method's all-gather stage is paid, not
 replaced by ZeRO's own gather). With local SGD (`plan.local_sgd`: DiLoCo, SlowMo, ...) there is no
 gradient mean over dp: the method averages the replicas' parameter changes instead, once every H
-steps, in local SGD's step (`local_sgd.replicas.outer_mean`), its state beside the replicas' (the
-compressed outer gradients of streaming DiLoCo).
+steps, in local SGD's step (`local_sgd.replicas.outer_mean`), its state beside the replicas'
+(streamed by fragments, as Streaming DiLoCo's compressed outer gradients, one state per fragment
+group, of its parts; `mean_collectives` gives local SGD each average's collectives).
 
 Collectives: those of the method over dp on a device's shards, in place of the gradient
 all-reduce over dp, plus one all-reduce of two scalars (tokens and loss). Saves: bytes on the wire
@@ -54,14 +55,15 @@ def _sizes(spec) -> list[tuple[int, ...]]:
             if not (spec.sparse_embedding and leaf.use == "embedding")]
 
 
-def params(spec) -> dict:
+def params(spec, shapes=None) -> dict:
     """The keyword arguments of `jaxscale.strategies.compression.methods.compressed_mean` for this
-    plan."""
+    plan, on a device's gradient shards (`shapes`: the shards one mean takes, if not all)."""
     m = spec.compression
     if m in ("fp8", "int8", "sign"):
         return {"block": spec.compression_block}
     if m in ("topk", "threshold"):
-        k = max(1, int(spec.compression_density * sum(math.prod(s) for s in _sizes(spec))))
+        shapes = _sizes(spec) if shapes is None else shapes
+        k = max(1, int(spec.compression_density * sum(math.prod(s) for s in shapes)))
         return {"k": k, **({"threshold": spec.compression_threshold} if m == "threshold" else {})}
     if m == "powersgd":
         return {"rank": spec.compression_rank}
@@ -92,7 +94,9 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
-    if not active(spec):
+    """The method's collectives in place of the gradient mean (local SGD's outer averages are
+    `local_sgd.collectives`', through `mean_collectives`)."""
+    if not active(spec) or spec.local_sgd != "none":
         return []
     rows = formulas.collectives(spec.compression, _sizes(spec), spec.deg("dp"), ("dp",),
                                 **params(spec))
@@ -101,12 +105,14 @@ def collectives(spec) -> list[Comm]:
         rows = [dataclasses.replace(r, bytes=r.bytes * runs, count=r.count * runs,
                                     what=f"{r.what}, once per micro-batch ({runs})")
                 for r in rows]
-    if spec.local_sgd != "none":    # the replicas' parameter changes, once every H steps
-        H = max(1, spec.local_steps)
-        rows = [dataclasses.replace(r, bytes=r.bytes / H, what=f"{r.what}: local SGD's outer "
-                                    f"average of the parameter changes, per step 1/H={H} of it")
-                for r in rows]
     return rows
+
+
+def mean_collectives(spec, shapes) -> list[Comm]:
+    """The collectives of one compressed mean over dp of a device's shards of these `shapes`
+    (local SGD's outer average of the parameter changes, or one fragment group's of them)."""
+    return formulas.collectives(spec.compression, shapes, spec.deg("dp"), ("dp",),
+                                **params(spec, shapes))
 
 
 def memory(spec) -> list[Term]:
@@ -140,11 +146,11 @@ def shape_step(spec, parts) -> None:
         parts.set("comm_specs", comm_specs, by=NAME)
 
 
-def mean(spec):
+def mean(spec, shapes=None):
     """(a device's gradient shards, its state, its rows' inputs) -> (their compressed mean over
-    dp, state): the data region's mean."""
+    dp, state): the data region's mean (`shapes`: the shards it takes, if not all)."""
     from jaxscale.strategies.compression import methods
-    kw = params(spec)
+    kw = params(spec, shapes)
     return lambda grads, state, inputs: methods.compressed_mean(spec.compression, grads, state,
                                                                 ("dp",), **kw)
 

@@ -42,8 +42,9 @@ the new anchor: the outer update is one step late, the link is never waited on. 
 collective starts and ends inside one compiled step, so one step is the most it can overlap.
 
 With `plan.compression` the average is the method's compressed mean of the changes
-(`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`), its collectives in
-place of the fp32 all-reduce (`compression.collectives`, at 1/H).
+(`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`: streamed, one state
+per fragment group, of the group's parts), its collectives in place of the fp32 all-reduce
+(`compression.mean_collectives` of each group's shards, at 1/H).
 With `plan.offload` the parts of the state it names live in host memory between steps: the
 outer optimizer's state ("optimizer": touched once every H steps, as OpenDiLoCo keeps it on the
 CPU), the anchor ("master", or "params" in fp32); they come to the device whole for the step
@@ -54,8 +55,10 @@ Needs ZeRO 0: ZeRO would split over dp one optimizer state that the dp ranks no 
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.compression.formulas import STATEFUL as STATEFUL_COMPRESSION
 
 NAME = "local_sgd"
 AVAILABLE = True
@@ -129,10 +132,6 @@ def streaming_problems(spec) -> list[str]:
     elif F > model.n_layers:
         errs.append(f"plan.outer_fragments={F} is more than the {model.n_layers} layers: at "
                     f"most one fragment per layer")
-    if streaming(spec) and spec.compression in STATEFUL_COMPRESSION:
-        errs.append(f"plan.compression={spec.compression} keeps an error-feedback state per whole "
-                    f"leaf; averaging it by fragments or delayed is not built yet: use bf16, fp8 "
-                    f"or int8 compression, or plan.outer_fragments=1 plan.outer_delay=0")
     return errs
 
 
@@ -146,14 +145,21 @@ def collectives(spec) -> list[Comm]:
         return []
     n, H = spec.deg("dp"), max(1, spec.local_steps)
     when = "as the next step runs" if spec.outer_delay else "blocking"
-    average = [Comm("all-reduce", ("dp",), b / H, 1,
-                    (f"parameter changes averaged once every H={H} steps (fp32; per step 1/H of "
-                     f"it)" if len(average_bytes(spec)) == 1 else
-                     f"fragment group {g} of {spec.outer_fragments}'s changes averaged once every "
-                     f"H={H} steps (fp32; per step 1/H of it)") + f", {when}", group=n,
-                    overlap=bool(spec.outer_delay))
-               for g, b in enumerate(average_bytes(spec))
-               ] if spec.compression == "none" else []   # else compressed
+    whose = lambda g: ("parameter changes" if not streaming(spec) else
+                       f"fragment group {g} of {spec.outer_fragments}'s changes")
+    if spec.compression == "none":
+        average = [Comm("all-reduce", ("dp",), b / H, 1, f"{whose(g)} averaged once every H={H} "
+                        f"steps (fp32; per step 1/H of it), {when}", group=n,
+                        overlap=bool(spec.outer_delay))
+                   for g, b in enumerate(average_bytes(spec))]
+    else:                           # the method's compressed mean of each group's changes
+        from jaxscale.strategies import compression
+        average = [dataclasses.replace(
+            c, bytes=c.bytes / H, overlap=bool(spec.outer_delay),
+            what=f"{c.what}: {whose(g)}' compressed average once every H={H} steps (per step "
+                 f"1/H of it), {when}")
+            for g, shapes in enumerate(average_shapes(spec))
+            for c in compression.mean_collectives(spec, shapes)]
     return average + [
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
                  "the step's metrics: loss x tokens, tokens, gradient norm, non-finite flag"
@@ -161,15 +167,20 @@ def collectives(spec) -> list[Comm]:
                  group=n)]
 
 
-def average_bytes(spec) -> list[float]:
-    """The fp32 bytes per device one average all-reduces, for each kind of averaging step: the
-    whole replica, or streaming's fragment groups in offset order (the largest is the peak a
-    step puts on the link)."""
+def average_shapes(spec) -> list[list[tuple[int, ...]]]:
+    """The shards a device averages, for each kind of averaging step: the whole replica's, or
+    streaming's fragment groups' in offset order."""
     from jaxscale.strategies.local_sgd import fragments
     if not streaming(spec):
         from jaxscale.strategies.tables.params import leaves
-        return [4 * sum(leaf.local_size(spec) for leaf in leaves(spec.model))]
-    return [4 * g for g in fragments.group_sizes(spec)]
+        return [[tuple(leaf.local_shape(spec)) for leaf in leaves(spec.model)]]
+    return fragments.group_shapes(spec)
+
+
+def average_bytes(spec) -> list[float]:
+    """The fp32 bytes per device one average all-reduces, for each kind of averaging step (the
+    largest is the peak a step puts on the link)."""
+    return [4.0 * sum(math.prod(s) for s in g) for g in average_shapes(spec)]
 
 
 def memory(spec) -> list[Term]:
@@ -262,6 +273,30 @@ def init_state(spec, params, optimizer, where):
     rep["opt_state"] = optimizer.init(rep["params"])
     out = averaging.stack(rep, spec.deg("dp"))
     held = compression.init_state(spec, params, where)
+    if held is not None and streaming(spec):    # one state per fragment group, of its parts
+        held = [compression.init_state(spec, *part) for part in _group_parts(spec, params, where)]
     if held is not None:
         out["mean"] = held
+    return out
+
+
+def _group_parts(spec, params, where) -> list[tuple]:
+    """(its parts, as ShapeDtypeStructs, and (their specs, axis sizes)) for each fragment group:
+    what the group's compression state is initialised for."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxscale.strategies.local_sgd import fragments
+    F, H = spec.outer_fragments, max(1, spec.local_steps)
+    specs, sizes = where
+    cut = fragments.Cut.of_paths(params, F)
+    leaves_ = jax.tree.leaves(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    out = []
+    for frags in fragments.groups(F, H):
+        members = cut.members(frags)
+        parts = [jax.ShapeDtypeStruct(
+            (leaves_[j].shape[0] // F,) + leaves_[j].shape[1:] if cut.owners[j] == fragments.STRIDED
+            else leaves_[j].shape, leaves_[j].dtype) for j, _ in members]
+        out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
     return out

@@ -16,6 +16,7 @@ The formula side (`group_sizes`) reads the same assignment from the parameter ta
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -67,17 +68,23 @@ def schedule(F: int, H: int, steps: int, delay: int = 0, warmup: int = 0) -> lis
     return out
 
 
-def group_sizes(spec) -> list[float]:
-    """Per-device elements of each group (a device's shards of every leaf part it holds), in
-    the order of `groups`: what one average of that group all-reduces (x 4 bytes, fp32)."""
+def group_shapes(spec) -> list[list[tuple[int, ...]]]:
+    """Each group's parts as a device holds them (its shards of every leaf part, a stacked
+    leaf's rows p::F), in the order of `groups`: what one average of that group takes."""
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
-    per = [0.0] * F
+    per: list[list] = [[] for _ in range(F)]
     for leaf in leaves(spec.model):
-        size, o = leaf.local_size(spec), owner(leaf.path, leaf.stacked, F)
+        shape, o = tuple(leaf.local_shape(spec)), owner(leaf.path, leaf.stacked, F)
         for p in (range(F) if o == STRIDED else [o]):
-            per[p] += size / F if o == STRIDED else size
-    return [sum(per[p] for p in g) for g in groups(F, H)]
+            per[p].append((shape[0] // F,) + shape[1:] if o == STRIDED else shape)
+    return [[s for p in g for s in per[p]] for g in groups(F, H)]
+
+
+def group_sizes(spec) -> list[float]:
+    """Per-device elements of each group, in the order of `groups`: what one average of that
+    group all-reduces (x 4 bytes, fp32)."""
+    return [float(sum(math.prod(s) for s in g)) for g in group_shapes(spec)]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,16 @@ class Cut:
         paths = [jax.tree_util.keystr(p, simple=True, separator="/")
                  for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         return cls(F, tuple(owner(path, j in stacked, F) for j, path in enumerate(paths)))
+
+    @classmethod
+    def of_paths(cls, params, F: int) -> Cut:
+        """The same from the tree's paths alone: a leaf under "layers/" without a layer
+        number is a layer stack."""
+        import jax
+        paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+                 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        return cls(F, tuple(owner(path, path.startswith("layers/")
+                                  and not re.match(r"layers/\d+/", path), F) for path in paths))
 
     def members(self, frags) -> list[tuple[int, int]]:
         """(leaf number, fragment) of every part the fragments `frags` hold."""

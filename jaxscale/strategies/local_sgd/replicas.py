@@ -195,16 +195,18 @@ def outer_mean(spec, ctx):
         return None
     from jaxscale.strategies import compression
     from jaxscale.strategies.dp.region import on_own_state
-    method = on_own_state(compression.mean(spec))
     inner = tuple(a for a in ctx.placement.mesh.axis_names if a != "dp")
     specs = ctx.lay.specs.params
 
     def mean(delta, state, specs=specs):
+        """The method on the shards it is given (top-k's k is its density of them)."""
+        def local(d, st):
+            shapes = [x.shape for x in jax.tree.leaves(d)]
+            return on_own_state(compression.mean(spec, shapes))(d, st, None)
         st_specs = None if state is None else jax.tree.map(lambda _: P(inner), state)
-        return jax.shard_map(lambda d, st: method(d, st, None),
-                             mesh=jax.sharding.get_abstract_mesh(), in_specs=(specs, st_specs),
-                             out_specs=(specs, st_specs), axis_names=set(inner),
-                             check_vma=False)(delta, state)
+        return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                             in_specs=(specs, st_specs), out_specs=(specs, st_specs),
+                             axis_names=set(inner), check_vma=False)(delta, state)
     return mean
 
 
@@ -231,13 +233,18 @@ class stream_parts:
 
     def delta(self, frags, anchor, rep, held):
         """The mean over dp of the fp32 changes anchor - replica of the fragments' parts (one
-        all-reduce, or the plan's compressed mean), and the compression state."""
+        all-reduce, or the plan's compressed mean: a stateful method's state is one per group,
+        of the group's parts, `local_sgd.init_state`), and the compression state."""
         a, r = (self.cut.take(jax.tree.leaves(t), frags) for t in (anchor, rep))
         d = [x.astype(jnp.float32) - y.astype(jnp.float32) for x, y in zip(a, r)]
         if self.mean is None:
             return [x / self.n for x in jax.lax.psum(d, "dp")], held
         specs = [self.specs[j] for j, _ in self.cut.members(frags)]
-        return self.mean(d, held, specs)
+        if held is None:
+            return self.mean(d, None, specs)[0], None
+        g = self.groups.index(tuple(frags))
+        mean, own = self.mean(d, held[g], specs)
+        return mean, held[:g] + [own] + held[g + 1:]
 
     def move(self, frags, anchor, outer_state, delta):
         """The outer optimizer's step of the fragments' parts of the anchor by `delta` (its
