@@ -268,35 +268,15 @@ def init_state(spec, params, optimizer, where):
     import jax.numpy as jnp
 
     from jaxscale.strategies import compression
-    from jaxscale.strategies.local_sgd import averaging
+    from jaxscale.strategies.local_sgd import averaging, fragments
     rep = {"params": jax.tree.map(lambda a: a.astype(jnp.float32), params)}
     rep["opt_state"] = optimizer.init(rep["params"])
     out = averaging.stack(rep, spec.deg("dp"))
     held = compression.init_state(spec, params, where)
     if held is not None and streaming(spec):    # one state per fragment group, of its parts
-        held = [compression.init_state(spec, *part) for part in _group_parts(spec, params, where)]
+        held = [compression.init_state(spec, *part)
+                for part in fragments.group_parts(spec, params, where)]
     if held is not None:
         out["mean"] = held
     return out
 
-
-def _group_parts(spec, params, where) -> list[tuple]:
-    """(its parts, as ShapeDtypeStructs, and (their specs, axis sizes)) for each fragment group:
-    what the group's compression state is initialised for."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxscale.strategies.local_sgd import fragments
-    F, H = spec.outer_fragments, max(1, spec.local_steps)
-    specs, sizes = where
-    cut = fragments.Cut.of_paths(params, F)
-    leaves_ = jax.tree.leaves(params)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    out = []
-    for frags in fragments.groups(F, H):
-        members = cut.members(frags)
-        parts = [jax.ShapeDtypeStruct(
-            (leaves_[j].shape[0] // F,) + leaves_[j].shape[1:] if cut.owners[j] == fragments.STRIDED
-            else leaves_[j].shape, leaves_[j].dtype) for j, _ in members]
-        out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
-    return out

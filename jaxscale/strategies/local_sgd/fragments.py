@@ -87,6 +87,26 @@ def group_sizes(spec) -> list[float]:
     return [float(sum(math.prod(s) for s in g)) for g in group_shapes(spec)]
 
 
+def group_parts(spec, params, where) -> list[tuple]:
+    """(its parts, as ShapeDtypeStructs, and (their specs, axis sizes)) for each fragment group:
+    what the group's compression state is initialised for."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    F, H = spec.outer_fragments, max(1, spec.local_steps)
+    specs, sizes = where
+    cut = Cut.of_paths(params, F)
+    leaves_ = jax.tree.leaves(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    out = []
+    for frags in groups(F, H):
+        members = cut.members(frags)
+        parts = [jax.ShapeDtypeStruct(
+            (leaves_[j].shape[0] // F,) + leaves_[j].shape[1:] if cut.owners[j] == STRIDED
+            else leaves_[j].shape, leaves_[j].dtype) for j, _ in members]
+        out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
+    return out
+
+
 @dataclass(frozen=True)
 class Cut:
     """The runtime side: each flattened parameter leaf's owner, and the fragments' parts of a
