@@ -292,15 +292,16 @@ def unavailable(spec: Spec) -> list[str]:
     return out + [e for s in STRATEGIES if hasattr(s, "runnable") for e in s.runnable(spec)]
 
 
-def branch_share(spec: Spec) -> list[float] | None:
-    """How often each branch of the step's one `lax.switch` runs per device (`hlo.Module`
-    weighs the census and FLOPs by it), from the strategy whose step has one (optional
-    `branch_share(spec)`: the pipeline's tick program, local SGD's average every H); None when
-    the step has no such switch."""
-    for s in STRATEGIES:
-        if hasattr(s, "branch_share") and s.active(spec):
-            return s.branch_share(spec)
-    return None
+def branch_share(spec: Spec) -> list | None:
+    """How often each branch of the step's `lax.switch` runs per device (`hlo.Module` weighs
+    the census and FLOPs by it), from the strategy whose step has one (optional
+    `branch_share(spec)`: the pipeline's tick program, local SGD's average every H); with both
+    (local SGD's replicas as pipelines) one list each, the outer switch's first (a strategy's
+    `SWITCH_OUTER`); None when the step has no such switch."""
+    shares = [s.branch_share(spec) for s in sorted(
+        STRATEGIES, key=lambda s: not getattr(s, "SWITCH_OUTER", False))
+        if hasattr(s, "branch_share") and s.active(spec)]
+    return None if not shares else shares[0] if len(shares) == 1 else shares
 
 
 def rules(spec: Spec) -> Rules:

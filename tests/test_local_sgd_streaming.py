@@ -264,6 +264,23 @@ def test_fragments_compose_with_pipeline_stages_of_tp_groups():
         assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
 
 
+def test_census_of_pipelined_replicas_weighs_both_switches():
+    """DiLoCo H = 2, F = 2, delayed, each replica a pp2 x tp2 pipeline: the step has two
+    switches, local SGD's (each branch the whole step) and, inside, the pipeline engine's per
+    tick; each is weighed by its own shares (`plan.branch_share`, outer first), and every census
+    row is the formula's: the average at 1/H, the stages' permutes and pp and tp sums once."""
+    s = build(tiny_config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1",
+                          "model.n_layers=4", "plan.accumulate=2", *STREAM, "plan.outer_delay=1"))
+    spec = s.placement.spec
+    shares = plan.branch_share(spec)
+    assert shares[0] == local_sgd.branch_share(spec) and len(shares) == 2
+    rows_ = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        s.lower_train_step().compile().as_text(), s.placement.mesh, shares))
+    assert {tuple(r["axes"]) for r in rows_} == {("dp",), ("pp",), ("tp",)}
+    for r in rows_:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
+
+
 def test_planner_hides_a_delayed_average_under_one_step():
     """The planner: blocking, the average's time (per step 1/H of it) is on the critical path;
     delayed, each average hides under the one step it overlaps, and only its excess shows."""

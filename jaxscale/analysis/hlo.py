@@ -59,6 +59,23 @@ def nbytes(shape_list) -> float:
     return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(dims) for dt, dims in shape_list)
 
 
+def _depths(entry, edges, conds) -> dict[str, int]:
+    """Each computation's nesting depth in conditionals (the entry's 0; a branch one more than
+    the computation whose conditional runs it)."""
+    inside: dict[str, list[str]] = defaultdict(list)
+    for comp, names in conds:
+        inside[comp] += names
+    depth, todo = {entry: 0}, [entry]
+    while todo:
+        c = todo.pop()
+        for callee, d in [(x, depth[c]) for x, _ in edges.get(c, ())] + \
+                         [(x, depth[c] + 1) for x in inside.get(c, ())]:
+            if d < depth.get(callee, 1 << 30):
+                depth[callee] = d
+                todo.append(callee)
+    return depth
+
+
 class Module:
     """A parsed HLO module: instructions per computation and each computation's run count.
 
@@ -66,13 +83,16 @@ class Module:
     `branch_share` gives, for conditionals with that many branches, the fraction of the runs each
     branch takes (the pipeline engine's switch per tick:
     `jaxscale.strategies.pp.program.Program.branch_share`, averaged over the devices, which run
-    different branches at the same tick)."""
+    different branches at the same tick). With two switches (local SGD's, whose replicas are
+    pipelines) it is one list per switch, outermost first: a conditional takes the list with its
+    number of branches, and where two have that number, the one of its nesting depth."""
 
     def __init__(self, text: str, branch_share: list[float] | None = None):
         self.instrs: list[Instr] = []
         self.defs: dict = {}    # (computation, name) -> Instr, and name -> first Instr so named
         self.entry = None
         edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        conds: list[tuple[str, list[str]]] = []     # (computation, its conditional's branches)
         comp = None
         for line in text.splitlines():
             m = _COMP.match(line)
@@ -96,10 +116,16 @@ class Module:
                                            and trip) else 1
                 edges[comp].append((callee, n))
             for b in _BRANCHES.findall(ins.rest):
-                names = [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
-                share = branch_share if branch_share and len(branch_share) == len(names) \
-                    else [1] * len(names)
-                edges[comp] += list(zip(names, share))
+                conds.append((comp, [c.strip().lstrip("%") for c in b.split(",") if c.strip()]))
+        depth = _depths(self.entry, edges, conds)
+        shares = ([] if not branch_share else list(branch_share)
+                  if isinstance(branch_share[0], (list, tuple)) else [branch_share])
+        for comp, names in conds:
+            fits = [s for s in shares if len(s) == len(names)]
+            d = depth.get(comp, 0)
+            share = (shares[d] if len(fits) > 1 and d < len(shares) and len(shares[d]) == len(names)
+                     else fits[0] if fits else [1] * len(names))
+            edges[comp] += list(zip(names, share))
         self.unknown_trip = [i.name for i in self.instrs
                              if i.opcode == "while" and not _TRIP.search(i.rest)]
         self.runs = self._propagate(edges)

@@ -62,6 +62,7 @@ from jaxscale.strategies.common import Comm, Term
 
 NAME = "local_sgd"
 AVAILABLE = True
+SWITCH_OUTER = True     # its step's switch holds the whole step (a pipeline's engine inside)
 METHODS = ("local", "post_local", "slowmo", "diloco")
 #: (outer lr, outer momentum, Nesterov) by method
 DEFAULTS = {"local": (1.0, 0.0, False), "post_local": (1.0, 0.0, False),
