@@ -175,7 +175,7 @@ def test_merge_mixes_the_fragments_parts_only():
               "layers": {"w": rng.normal(size=(4, 3, 3))}}
     params = jax.tree.map(lambda a: jax.numpy.asarray(a, "float32"), params)
     anchor = jax.tree.map(lambda a: a + 1.0, params)
-    cut = fragments.Cut.of(params, {2}, 2)
+    cut = fragments.Cut.of(params, 2)
     assert cut.owners == (0, 1, fragments.STRIDED)
     rep, anc = jax.tree.leaves(params), jax.tree.leaves(anchor)
     got = cut.merge(rep, anc, (1,), 0.25)
@@ -218,7 +218,7 @@ def test_compressed_fragments_keep_a_state_per_group(method):
             before = host(state)
             state, _ = step(state, batch(i))
     after = host(state)
-    cut = fragments.Cut.of_paths(before.params, 2)
+    cut = fragments.Cut.of(before.params, 2)
     take = lambda tree: cut.take(jax.tree.leaves(tree), (1,))
     anchor = take(before.params)
     reps = [take(jax.tree.map(lambda a, d=d: a[d], before.comm["params"])) for d in range(8)]

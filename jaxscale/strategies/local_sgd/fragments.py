@@ -94,7 +94,7 @@ def group_parts(spec, params, where) -> list[tuple]:
     from jax.sharding import PartitionSpec as P
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     specs, sizes = where
-    cut = Cut.of_paths(params, F)
+    cut = Cut.of(params, F)
     leaves_ = jax.tree.leaves(params)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     out = []
@@ -115,16 +115,9 @@ class Cut:
     owners: tuple[int, ...]
 
     @classmethod
-    def of(cls, params, stacked: set[int], F: int) -> Cut:
-        import jax
-        paths = [jax.tree_util.keystr(p, simple=True, separator="/")
-                 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        return cls(F, tuple(owner(path, j in stacked, F) for j, path in enumerate(paths)))
-
-    @classmethod
-    def of_paths(cls, params, F: int) -> Cut:
-        """The same from the tree's paths alone: a leaf under "layers/" without a layer
-        number is a layer stack."""
+    def of(cls, params, F: int) -> Cut:
+        """The cut of a parameter tree, from its paths: a leaf under "layers/" without a layer
+        number is a layer stack (the model's "layers" logical axis)."""
         import jax
         paths = [jax.tree_util.keystr(p, simple=True, separator="/")
                  for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
