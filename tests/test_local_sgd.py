@@ -201,6 +201,22 @@ def test_census_is_one_parameter_all_reduce_per_h_steps(diloco2):
     assert [r["ratio"] for r in theory] == [1.0]
 
 
+def test_compiled_memory_is_the_planners(diloco2):
+    """Arguments and outputs to the byte; temp within `validation.TOLERANCE` (15%): the
+    average's phase holds five fp32 copies of the replica (the changes, their sum, the mean and
+    the outer step's two results), more than the inner step's backward."""
+    from jaxscale.analysis import validation
+    s, step, _ = diloco2
+    mem = step.memory_analysis()
+    xla = planner.predict(tiny_config(*DP8, "plan.local_sgd=diloco", "plan.local_steps=2",
+                                      "optim.warmup_steps=0")).memory.xla
+    assert xla["argument"] + xla["output"] == pytest.approx(
+        mem.argument_size_in_bytes + mem.output_size_in_bytes, rel=1e-3)
+    assert abs(xla["temp"] / mem.temp_size_in_bytes - 1) <= validation.TOLERANCE["temp"]
+    size = sum(x.size for x in jax.tree.leaves(s.model.abstract_params))
+    assert mem.temp_size_in_bytes > 4.5 * 4 * size          # the average's five copies
+
+
 def test_resume_mid_period_continues_identically(diloco2, tmp_path):
     """Saved after step 3 (one average done, the outer momentum set, replicas one step apart)."""
     s, step, init = diloco2

@@ -186,7 +186,10 @@ def average_bytes(spec) -> list[float]:
 
 def memory(spec) -> list[Term]:
     """The replica's fp32 parameters beside the anchor, and the outer momentum (if any); the
-    replica's inner optimizer state is the size of the plan's optimizer state (counted there)."""
+    replica's inner optimizer state is the size of the plan's optimizer state (counted there).
+    A blocking average holds five fp32 copies of the replica at once (read from XLA:CPU's live
+    ranges: the changes, their all-reduced sum, the mean, the outer step's two results), four
+    beyond the update phase's gradient buffer; streamed averages are not modelled yet."""
     if not active(spec):
         return []
     from jaxscale.strategies.tables.params import leaves
@@ -195,6 +198,10 @@ def memory(spec) -> list[Term]:
     out = [Term("params", 4 * size, "this device's replica of the parameters (fp32)")]
     if mom > 0:
         out.append(Term("optimizer", 4 * size, "outer momentum (fp32)"))
+    if not streaming(spec):
+        out.append(Term("update", 4 * 4 * size, "the average: the changes, their sum, the mean "
+                        "and the outer step's results (fp32, with the gradient buffer five "
+                        "copies)"))
     return out
 
 
