@@ -18,13 +18,11 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
 - backward: saved activations + the model's terms (the local gradient buffer, one layer's
   activations again while its backward runs: their gradients, a rematerialised layer's rebuilt
   forward; fp32 logits and their gradient; with the gradient stack kept whole until the update,
-  a layer's gradients all-reduced inside the layer loop, `reduced_layer`: half the stack on a
-  dense program, a MoE layer's expert gradients where the experts are replicated over a data
-  axis; the grouped experts' dense CPU lowering, `dense_experts`) + the strategies' (TP: the
-  q/k/v input-gradient all-reduce buffers; FSDP: one gathered layer and the unreduced
-  gradients XLA holds before scattering them, one weight's, a MoE layer's grouped experts', or
-  the layer's under full remat and the zero-bubble schedules' W pass; accumulation: the fp32
-  accumulator);
+  a layer's gradients all-reduced inside the layer loop, half the stack on a dense program) +
+  the strategies' (TP: the q/k/v input-gradient all-reduce buffers; FSDP: one gathered layer
+  and the unreduced gradients XLA holds before scattering them, one weight's, a MoE layer's
+  grouped experts', or the layer's under full remat and the zero-bubble schedules' W pass;
+  a mixture of experts: its MoE layer's, `ep.memory`; accumulation: the fp32 accumulator);
 - update: the gradient buffer + the strategies' (ZeRO-1: the all-reduced gradients;
   accumulation: the accumulator; host offload: one streamed piece, a layer's state and update,
   `offload.memory`). The update writes the donated state in place (its non-finite guard is a
@@ -46,8 +44,6 @@ from jaxscale import plan as plan_lib
 from jaxscale.strategies import pp, remat, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.offload import tiers
-from jaxscale.strategies.tables.activations import exchange, ragged_dense
-from jaxscale.strategies.tables.params import leaves
 from jaxscale.strategies.zero import STAGE_OF
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
@@ -114,54 +110,18 @@ def model_terms(spec, full) -> list[Term]:
     grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
     tokens = spec.micro_batch * spec.local_seq
     logits = 2 * tokens * spec.model.padded_vocab / spec.deg("tp") * 4
-    # kept whole over dp until the update (no ZeRO-2 scatter, no gather under FSDP), each layer's
-    # gradients are all-reduced into the stack inside the backward loop (`reduced_layer`)
-    whole = not zero.gather_axes(spec) and zero.stage(spec) < STAGE_OF["grads"]
-    return (reduced_layer(spec, grads) if whole else []) + [
+    # kept whole over dp until the update, each layer's gradients are all-reduced into the stack
+    # inside the backward loop: a layer's and their reduced copy alive at once, half the stack of
+    # the 2-layer cpu8 programs (a mixture of experts peaks in its MoE layer: `ep.memory`)
+    reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) * grads / 2
+    return [
+        Term("backward", reduced, "one layer's gradients and their copy all-reduced inside the "
+             "layer loop"),
         Term("backward", grads, "local gradient buffer"),
         Term("backward", full.saved, "one layer's activations while its backward runs"),
         Term("backward", logits, "fp32 logits and their gradient"),
         Term("backward", attention_tiles(spec), "blockwise attention's backward tiles"),
-        Term("backward", dense_experts(spec), "ragged_dot's CPU lowering: every row against "
-             "every local expert in the MoE layer's backward"),
         Term("update", grads, "local gradient buffer")]
-
-
-def reduced_layer(spec, grads: float) -> list[Term]:
-    """With the gradient stack kept whole, XLA all-reduces each layer's gradients over the data
-    axes inside the backward layer loop: the layer's computed gradients and their reduced copy
-    are alive at once. Dense: half the stack (the 2-layer cpu8 programs' one layer and head).
-    A mixture of experts peaks in its MoE layer's backward, whose expert gradients are the
-    reduced ones: one layer's local expert weights where the experts are replicated over a data
-    axis (dp, sp: the `ep` x `tp` shards leave copies), none where ep x tp covers every device
-    (the computed copy is `ep.memory`'s one layer's expert weights)."""
-    if not (spec.moe and spec.model.scan_layers):
-        return [Term("backward", grads / 2, "one layer's gradients and their copy all-reduced "
-                     "inside the layer loop")]
-    experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
-    local = sum(leaf.local_size(spec) for leaf in experts)
-    copies = spec.n_devices * local / max(1.0, sum(leaf.size for leaf in experts))
-    if copies <= 1:
-        return []
-    return [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
-                 "one MoE layer's expert gradients all-reduced over the replica axes inside "
-                 "the layer loop")]
-
-
-def dense_experts(spec) -> float:
-    """The grouped experts on XLA:CPU, where `ragged_dot` lowers to a dense matmul of every row
-    with every local expert: the MoE layer's backward holds three masked f32 [E_loc, R, w]
-    buffers (R = the exchange's rows, w the wider of dim and the local expert width f: the
-    hidden gradients, or the input gradients of narrow experts). One layer's activations already
-    count six routed [R, f] tensors; the excess is added (E_loc = 1: none)."""
-    if not (ragged_dense(spec) and spec.model.scan_layers):
-        return 0.0
-    x = exchange(spec)
-    w_gate = next(leaf for leaf in leaves(spec.model)
-                  if "experts" in leaf.axes and leaf.path.endswith("w_gate"))
-    f = w_gate.local_shape(spec, drop=zero.gather_axes(spec))[-1]
-    dense = 3 * x.local_experts * x.rows * max(spec.model.dim, f)
-    return max(0.0, dense - 6 * x.rows * f) * spec.compute_itemsize
 
 
 def attention_tiles(spec) -> float:

@@ -54,6 +54,13 @@ def stage(spec) -> int:
     return spec.zero if spec.deg(AXIS) > 1 else 0
 
 
+def grads_whole(spec) -> bool:
+    """Whether the gradient stack is kept whole over the data axes until the update (no gather
+    for compute, so no layer-by-layer reduce-scatter; no ZeRO-2 scatter): XLA then all-reduces
+    each layer's gradients into it inside the backward's layer loop."""
+    return not gather_axes(spec) and stage(spec) < STAGE_OF["grads"]
+
+
 def shard_factor(spec, part: str) -> int:
     """How many ways ZeRO splits a part of the state (params, grads, master, optimizer)."""
     return spec.deg(AXIS) if stage(spec) >= STAGE_OF[part] else 1

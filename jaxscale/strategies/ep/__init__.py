@@ -51,7 +51,7 @@ from jaxscale.strategies.tables.activations import (
     tokens_split,
 )
 from jaxscale.strategies.tables.params import leaves
-from jaxscale.strategies.zero import gather_axes
+from jaxscale.strategies.zero import gather_axes, grads_whole
 
 NAME = "ep"
 AVAILABLE = True
@@ -143,26 +143,53 @@ def memory(spec) -> list[Term]:
     layer's gathered copy for the backward; without FSDP the backward of a scanned MoE layer
     holds a copy of the layer's expert weights sliced out of the stack; `ragged_dot`'s CPU
     lowering over several local experts holds the stacked expert gradient twice (dp2 x ep4, ep8,
-    dp8, dp2 x fsdp2 x tp2 dropless)."""
+    dp8, dp2 x fsdp2 x tp2 dropless), and the masked buffers of its dense matmul
+    (`dense_experts`). With the gradient stack kept whole (`zero.grads_whole`) the MoE layer's
+    expert gradients are all-reduced inside the layer loop where the experts are replicated over
+    a data axis (dp, sp: the ep x tp shards leave copies): their reduced copy is alive beside
+    them (none where ep x tp covers every device)."""
     if not spec.moe or not spec.model.scan_layers:
         return []
     experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
     local = sum(leaf.local_size(spec) for leaf in experts)
+    lowering = [Term("backward", dense_experts(spec), "ragged_dot's CPU lowering: every row "
+                     "against every local expert in the MoE layer's backward")]
     axes = gather_axes(spec)
     if axes:
         if not grouped(spec):
             return []
         held = sum(leaf.local_size(spec, drop=axes) for leaf in experts)
-        return [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's expert "
-                     f"weights as gathered over {'x'.join(axes)}, kept for the backward "
-                     "(grouped experts)")]
-    out = [Term("backward", local / spec.model.n_layers * spec.wire_param_itemsize,
-                "one MoE layer's expert weights, sliced out of the stack")]
+        return lowering + [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's "
+                                f"expert weights as gathered over {'x'.join(axes)}, kept for "
+                                "the backward (grouped experts)")]
+    layer = local / spec.model.n_layers * spec.wire_param_itemsize
+    out = lowering + [Term("backward", layer, "one MoE layer's expert weights, sliced out of "
+                           "the stack")]
     if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1:
         out.append(Term("backward", local * spec.wire_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
                         "ragged_dot's CPU lowering over several local experts"))
+    replicated = spec.n_devices * local > sum(leaf.size for leaf in experts)
+    if grads_whole(spec) and replicated:
+        out.append(Term("backward", layer, "one MoE layer's expert gradients all-reduced over "
+                        "the replica axes inside the layer loop"))
     return out
+
+
+def dense_experts(spec) -> float:
+    """The grouped experts on XLA:CPU, where `ragged_dot` lowers to a dense matmul of every row
+    with every local expert: the MoE layer's backward holds three masked f32 [E_loc, R, w]
+    buffers (R = the exchange's rows, w the wider of dim and the local expert width f: the
+    hidden gradients, or the input gradients of narrow experts). One layer's activations already
+    count six routed [R, f] tensors; the excess is added (E_loc = 1: none)."""
+    if not ragged_dense(spec):
+        return 0.0
+    x = exchange(spec)
+    w_gate = next(leaf for leaf in leaves(spec.model)
+                  if "experts" in leaf.axes and leaf.path.endswith("w_gate"))
+    f = w_gate.local_shape(spec, drop=gather_axes(spec))[-1]
+    dense = 3 * x.local_experts * x.rows * max(spec.model.dim, f)
+    return max(0.0, dense - 6 * x.rows * f) * spec.compute_itemsize
 
 
 def label(spec) -> list[str]:
