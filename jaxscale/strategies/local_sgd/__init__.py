@@ -155,11 +155,12 @@ def collectives(spec) -> list[Comm]:
                    for g, b in enumerate(average_bytes(spec))]
     else:                           # the method's compressed mean of each group's changes
         from jaxscale.strategies import compression
+        from jaxscale.strategies.local_sgd import fragments
         average = [dataclasses.replace(
             c, bytes=c.bytes / H, overlap=bool(spec.outer_delay),
             what=f"{c.what}: {whose(g)}' compressed average once every H={H} steps (per step "
                  f"1/H of it), {when}")
-            for g, shapes in enumerate(average_shapes(spec))
+            for g, shapes in enumerate(fragments.group_shapes(spec))
             for c in compression.mean_collectives(spec, shapes)]
     return average + [
             Comm("all-reduce", ("dp",), 4 * (METRICS + 3 * spec.moe), 1,
@@ -168,20 +169,12 @@ def collectives(spec) -> list[Comm]:
                  group=n)]
 
 
-def average_shapes(spec) -> list[list[tuple[int, ...]]]:
-    """The shards a device averages, for each kind of averaging step: the whole replica's, or
-    streaming's fragment groups' in offset order."""
-    from jaxscale.strategies.local_sgd import fragments
-    if not streaming(spec):
-        from jaxscale.strategies.tables.params import leaves
-        return [[tuple(leaf.local_shape(spec)) for leaf in leaves(spec.model)]]
-    return fragments.group_shapes(spec)
-
-
 def average_bytes(spec) -> list[float]:
-    """The fp32 bytes per device one average all-reduces, for each kind of averaging step (the
+    """The fp32 bytes per device one average all-reduces, for each kind of averaging step: the
+    whole replica, or streaming's fragment groups in offset order (`fragments.group_shapes`; the
     largest is the peak a step puts on the link)."""
-    return [4.0 * sum(math.prod(s) for s in g) for g in average_shapes(spec)]
+    from jaxscale.strategies.local_sgd import fragments
+    return [4.0 * sum(math.prod(s) for s in g) for g in fragments.group_shapes(spec)]
 
 
 def memory(spec) -> list[Term]:
@@ -280,11 +273,12 @@ def init_state(spec, params, optimizer, where):
     rep = {"params": jax.tree.map(lambda a: a.astype(jnp.float32), params)}
     rep["opt_state"] = optimizer.init(rep["params"])
     out = averaging.stack(rep, spec.deg("dp"))
-    held = compression.init_state(spec, params, where)
-    if held is not None and streaming(spec):    # one state per fragment group, of its parts
+    if streaming(spec):                         # one state per fragment group, of its parts
         held = [compression.init_state(spec, *part)
                 for part in fragments.group_parts(spec, params, where)]
+        held = None if held[0] is None else held
+    else:
+        held = compression.init_state(spec, params, where)
     if held is not None:
         out["mean"] = held
     return out
-

@@ -11,12 +11,11 @@ Fragment p is averaged after the inner steps c = o_p, o_p + H, o_p + 2H, ... wit
 o_p = p H // F (fragments with the same offset, when F > H, go together: one group). With F = 1
 it is DiLoCo's schedule; at H = 1 every fragment is averaged at every step.
 
-The formula side (`group_sizes`) reads the same assignment from the parameter table
+The formula side (`group_shapes`) reads the same assignment from the parameter table
 (`jaxscale.strategies.tables.params`), so the census can be held to it.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -68,23 +67,23 @@ def schedule(F: int, H: int, steps: int, delay: int = 0, warmup: int = 0) -> lis
     return out
 
 
+def part_shape(shape, o: int, F: int) -> tuple[int, ...]:
+    """The shape of a fragment's part of a leaf of this shape and owner (`Cut`'s `take`)."""
+    return (shape[0] // F,) + tuple(shape[1:]) if o == STRIDED else tuple(shape)
+
+
 def group_shapes(spec) -> list[list[tuple[int, ...]]]:
     """Each group's parts as a device holds them (its shards of every leaf part, a stacked
-    leaf's rows p::F), in the order of `groups`: what one average of that group takes."""
+    leaf's rows p::F), in the order of `groups`: what one average of that group takes (with
+    F = 1 one group, every leaf whole)."""
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     per: list[list] = [[] for _ in range(F)]
     for leaf in leaves(spec.model):
-        shape, o = tuple(leaf.local_shape(spec)), owner(leaf.path, leaf.stacked, F)
+        shape, o = leaf.local_shape(spec), owner(leaf.path, leaf.stacked, F)
         for p in (range(F) if o == STRIDED else [o]):
-            per[p].append((shape[0] // F,) + shape[1:] if o == STRIDED else shape)
+            per[p].append(part_shape(shape, o, F))
     return [[s for p in g for s in per[p]] for g in groups(F, H)]
-
-
-def group_sizes(spec) -> list[float]:
-    """Per-device elements of each group, in the order of `groups`: what one average of that
-    group all-reduces (x 4 bytes, fp32)."""
-    return [float(sum(math.prod(s) for s in g)) for g in group_shapes(spec)]
 
 
 def group_parts(spec, params, where) -> list[tuple]:
@@ -100,9 +99,8 @@ def group_parts(spec, params, where) -> list[tuple]:
     out = []
     for frags in groups(F, H):
         members = cut.members(frags)
-        parts = [jax.ShapeDtypeStruct(
-            (leaves_[j].shape[0] // F,) + leaves_[j].shape[1:] if cut.owners[j] == STRIDED
-            else leaves_[j].shape, leaves_[j].dtype) for j, _ in members]
+        parts = [jax.ShapeDtypeStruct(part_shape(leaves_[j].shape, cut.owners[j], F),
+                                      leaves_[j].dtype) for j, _ in members]
         out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
     return out
 
