@@ -208,8 +208,7 @@ def test_compiled_memory_is_the_planners(diloco2):
     from jaxscale.analysis import validation
     s, step, _ = diloco2
     mem = step.memory_analysis()
-    xla = planner.predict(tiny_config(*DP8, "plan.local_sgd=diloco", "plan.local_steps=2",
-                                      "optim.warmup_steps=0")).memory.xla
+    xla = planner.predict(s.cfg).memory.xla
     assert xla["argument"] + xla["output"] == pytest.approx(
         mem.argument_size_in_bytes + mem.output_size_in_bytes, rel=1e-3)
     assert abs(xla["temp"] / mem.temp_size_in_bytes - 1) <= validation.TOLERANCE["temp"]

@@ -178,6 +178,12 @@ CASES: dict[str, tuple[str, ...]] = {
                                            "plan.remat=save_dots"),
     **{f"{name} moe": (*ov, "model.moe_experts=8") for name, ov in MOE.items()},
     **{f"{name}": (*ov, "model.n_layers=4") for name, ov in PIPELINE.items()},
+    **{f"{name} diloco H2{tail}": (*PLANS[name], "plan.local_sgd=diloco", "plan.local_steps=2",
+                                   *extra)
+       for name, tail, extra in [("dp8", "", ()), ("dp8", " bf16", ("plan.precision=bf16",)),
+                                 ("dp2xfsdp2xtp2", "", ()),
+                                 ("dp8", " F2", ("plan.outer_fragments=2",)),
+                                 ("dp8", " delayed", ("plan.outer_delay=1",))]},
 }
 
 

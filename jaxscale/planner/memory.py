@@ -29,7 +29,7 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
   `lax.cond`, `train.step.update_if_finite`), so no copy of the state is kept.
 On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
 (`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
-`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on all 53 cpu8
+`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on 56 of the 58 cpu8
 plans).
 
 The XLA view (`argument`, `output`, `temp`, `alias`) is what `compiled.memory_analysis()` reports:
