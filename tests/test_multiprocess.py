@@ -101,9 +101,12 @@ def test_resume_then_a_killed_process_stops_the_other_and_the_run_restarts(two_p
     assert p.wait(300) == 0, err_path.read_text()[-3000:]
     err = err_path.read_text()
     assert "resumed from" in err and "checkpoints/6 (step 6" in err
-    stopped = re.search(r"process 1 \(pid \d+\) was killed by SIGKILL; stopped the other 1 "
-                        r"process\(es\) in ([\d.]+) s", err)
-    assert stopped and float(stopped.group(1)) < FAIL_BOUND_S, err[-3000:]
+    # the other stopped by the launcher, or already gone on its own (its lost-peer exit 75)
+    # when the launcher first saw the kill
+    stopped = re.search(r"process 1 \(pid \d+\) was killed by SIGKILL; stopped the other "
+                        r"([01]) process\(es\) in ([\d.]+) s", err)
+    assert stopped and float(stopped.group(2)) < FAIL_BOUND_S, err[-3000:]
+    assert stopped.group(1) == "1" or "process 0 lost a peer" in err, err[-3000:]
     with pytest.raises(ProcessLookupError):      # the first process 0 is gone too
         os.kill(pids[0], 0)
     back = re.search(r"restart 1 of 1 after process 1 \(pid \d+\) was killed by SIGKILL; "
