@@ -24,7 +24,7 @@ from jaxscale.cost import busbw_factor
 from jaxscale.strategies.common import Comm
 
 
-def _axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
+def axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
     coords = np.array([np.unravel_index(d, mesh.devices.shape) for d in group])
     varying = [i for i in range(coords.shape[1]) if len(set(coords[:, i])) > 1]
     return tuple(mesh.axis_names[i] for i in varying)
@@ -48,7 +48,7 @@ def census(text: str, mesh: Mesh, branch_share: list[float] | None = None) -> li
             pairs = [p for p in hlo.source_target_pairs(ins.rest) if p[0] != p[1]]
             if not pairs:
                 continue
-            axes = tuple(sorted({a for p in pairs for a in _axes_of_group(p, mesh)},
+            axes = tuple(sorted({a for p in pairs for a in axes_of_group(p, mesh)},
                                 key=mesh.axis_names.index))
             n = 2
         else:
@@ -56,7 +56,7 @@ def census(text: str, mesh: Mesh, branch_share: list[float] | None = None) -> li
             n = len(groups[0])
             if n == 1:
                 continue
-            axes = _axes_of_group(groups[0], mesh)
+            axes = axes_of_group(groups[0], mesh)
             if kind == "reduce-scatter":
                 size *= n
         row = agg[(kind, axes)]

@@ -70,13 +70,13 @@ def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
 
 
 def _axes(ins: hlo.Instr, kind: str, mesh) -> tuple:
-    from jaxscale.analysis.inspect import _axes_of_group
+    from jaxscale.analysis.inspect import axes_of_group
     if kind == "collective-permute":
         pairs = [p for p in hlo.source_target_pairs(ins.rest) if p[0] != p[1]]
-        axes = {a for p in pairs for a in _axes_of_group(p, mesh)}
+        axes = {a for p in pairs for a in axes_of_group(p, mesh)}
         return tuple(a for a in mesh.axis_names if a in axes)
     groups = hlo.replica_groups(ins.rest) or [list(range(mesh.devices.size))]
-    return _axes_of_group(groups[0], mesh)
+    return axes_of_group(groups[0], mesh)
 
 
 def windows(text: str, mesh=None) -> list[Window]:
