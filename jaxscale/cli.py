@@ -120,6 +120,8 @@ def _launch_async(args, command: list[str]) -> int:
                          "-- train llama_tiny --steps 100`")
     inner = parser().parse_args(command)
     cfg = _load(inner, out=_train_out(inner), checkpoints=True, data=True)
+    from jaxscale import fields
+    fields.raise_problems(cfg.ps.worker_problems(args.async_))
     from jaxscale.config import run_directory
     return supervisor.run(cfg, run_directory(cfg, inner.out), args.async_, args.port,
                           inner.resume, local_devices=args.local_devices or 1,
@@ -199,6 +201,12 @@ def cmd_data(args) -> int:
     cfg = _load(args)
     out = args.out or cfg.data.shards
     errs = [] if out else ["give --out DIR or --set data.shards=DIR (where the shards go)"]
+    max_bytes = args.max_bytes          # --max-bytes, or data.max_bytes given with --set
+    if any(s.split("=", 1)[0].strip() == "data.max_bytes" for s in args.set):
+        if max_bytes is not None and max_bytes != cfg.data.max_bytes:
+            errs.append(f"--max-bytes {max_bytes} and --set data.max_bytes="
+                        f"{cfg.data.max_bytes} disagree: give one of them")
+        max_bytes = cfg.data.max_bytes
     errs += [e for e in [fields.dir_problem(out, "--out")] if e] if out else []
     errs += data.source_problems(cfg.data.source)
     if not errs and cfg.data.source != "stdlib":
@@ -214,7 +222,7 @@ def cmd_data(args) -> int:
         print(f"\r  {_human(n)} tokenized", end="", file=sys.stderr, flush=True)
     m = shards.prepare(data.corpus_files(cfg.data.source), tok, out, cfg.data.format,
                        cfg.data.text_field, cfg.data.heldout_fraction, args.shard_tokens,
-                       args.max_bytes, cfg.data.source, progress=progress)
+                       max_bytes, cfg.data.source, progress=progress)
     print(file=sys.stderr)
     for split, info in m["splits"].items():
         print(f"{split:8s} {info['docs']:>9,} documents {info['n_tokens']:>13,} tokens "
@@ -331,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--shard-tokens", type=arg(lo=1, parse=_count), default=64 * 2**20,
                     help="tokens per shard file, about (default 64Mi)")
     dp.add_argument("--max-bytes", type=arg(lo=1, parse=_count), default=None,
-                    help="stop after this much text (default: all of it)")
+                    help="stop after this much text (default: --set data.max_bytes=N when "
+                         "given, else all of it)")
     dp.set_defaults(func=cmd_data)
     la = sub.add_parser("launch", help="run a command in several local processes "
                         "(jax.distributed, gloo), e.g. launch --processes 2 -- train llama_tiny")

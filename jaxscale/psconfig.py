@@ -38,6 +38,23 @@ class PsConfig:
             out[w] = f
         return out
 
+    def worker_problems(self, workers: int) -> list[str]:
+        """What in the config names a worker a run of `workers` workers does not have."""
+        try:
+            missing = sorted(w for w in self.slow_factors() if w >= workers)
+        except ValueError:
+            return []                         # `relations` names it
+        if not missing:
+            return []
+        factors = self.slow_factors()
+        have = ("worker 0" if workers == 1 else "workers 0 and 1" if workers == 2 else
+                f"workers 0 to {workers - 1}")
+        fixed = ",".join(f"{w}:{f:g}" for w, f in factors.items() if w < workers) or \
+            f"{workers - 1}:{factors[missing[0]]:g}"
+        return [f"ps.slow={self.slow!r} names worker {', '.join(map(str, missing))}, but "
+                f"--async {workers} starts only {have}: name those (e.g. ps.slow={fixed!r}), "
+                f"or start more workers (--async {missing[-1] + 1})"]
+
     def relations(self) -> list[str]:
         try:
             self.slow_factors()

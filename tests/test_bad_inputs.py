@@ -136,6 +136,18 @@ CASES = {
                             "is a directory: add a pattern"),
     "launched out is a file": (["launch", "--", "train", T, "--out", FILE],
                                "--out='{tmp}/a_file.txt'"),
+    "offload_dir is a file": (["train", T, "--set", "plan.precision=bf16", "--set",
+                               "plan.offload=optimizer+master", "--set", "plan.offload_tier=nvme",
+                               "--set", "plan.offload_dir=" + FILE],
+                              "plan.offload_dir='{tmp}/a_file.txt' is a file, not a directory"),
+    # ---- settings that disagree with the command
+    "slow worker that does not exist": (["launch", "--async", "2", "--", "train", T, "--set",
+                                         "ps.slow=9:2"],
+                                        "ps.slow='9:2' names worker 9, but --async 2 starts "
+                                        "only workers 0 and 1"),
+    "prepare max bytes twice": (["data", "prepare", T, "--set", "data.max_bytes=20000",
+                                 "--max-bytes", "30000", "--out", "{tmp}/shards"],
+                                "--max-bytes 30000 and --set data.max_bytes=20000 disagree"),
     # ---- corrupt file (the Hugging Face ones are below: no subcommand reads them)
     "experiment indentation": (["plan", "--experiment", "{tmp}/indent_error.py"],
                                "indent_error.py:3:"),

@@ -34,9 +34,14 @@ assembling a full copy on one device.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
+import shutil
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -44,10 +49,12 @@ import jax
 from jaxscale.train import disk
 from jaxscale.train.checkpoint_meta import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     _digest,
     check_compatible,
     checksums,
+    position_problems,
     require_resumable,
     scan,
 )
@@ -77,26 +84,94 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "meta"),
                                              options=options)
         self.last_blocking_s = 0.0
+        self.pending: int | None = None      # the step of the save in flight
+        self.failures: list[str] = []        # the writer's error reports during that save
+        self.error: CheckpointWriteError | None = None
+        _quiet_writer_errors()
+        _LIVE.add(self)
 
     def steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start (async) or do (sync) a save; `last_blocking_s` is the time the caller waited."""
+        """Start (async) or do (sync) a save; `last_blocking_s` is the time the caller waited.
+        A save that cannot be written raises `CheckpointWriteError` (here or, for an async
+        save, from the next `check`, `wait` or `save`)."""
         args = self.ocp.args
         t0 = time.perf_counter()
-        self.manager.save(int(step), force=True, args=args.Composite(
-            state=args.StandardSave(state), meta=args.JsonSave(meta)))
+        self.wait()                          # the previous save (Orbax would wait for it too)
+        self.pending, self.failures = int(step), []
+        try:
+            self.manager.save(int(step), force=True, args=args.Composite(
+                state=args.StandardSave(state), meta=args.JsonSave(meta)))
+        except Exception as e:   # noqa: BLE001 - a write failure is named, anything else kept
+            raise self._failed(f"{type(e).__name__}: {e}", e) from None
         self.last_blocking_s = time.perf_counter() - t0
 
+    def check(self) -> None:
+        """Raise the failure of the save in flight as soon as the writer reports it (cheap:
+        called every step)."""
+        if self.error is not None:
+            raise self.error
+        if self.pending is not None and self.failures:
+            raise self._failed(next((t for t in self.failures if _os_cause(t)),
+                                    self.failures[0]))
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is finalized; its failure as `CheckpointWriteError`, raised
+        as soon as the writer reports it: never a join on writer threads that wait, minutes
+        long, for signals from the writes that failed."""
+        self.check()
+        while self.pending is not None and self.manager.is_saving_in_progress():
+            time.sleep(0.02)
+            self.check()
+        try:
+            self.manager.wait_until_finished()          # finished: surfaces a kept error
+        except Exception as e:   # noqa: BLE001 - a write failure is named, anything else kept
+            raise self._failed(f"{type(e).__name__}: {e}", e) from None
+        self.check()
+        self.pending = None
 
     def in_progress(self) -> bool:
         return self.manager.is_saving_in_progress()
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the save in flight, then close; after a failed save, nothing to wait for."""
+        if self.error is None:
+            self.wait()
+            self.manager.close()
+            _LIVE.discard(self)
+
+    def _failed(self, text: str, exc: Exception | None = None) -> Exception:
+        """The `CheckpointWriteError` of the save in flight failing with `text` (kept as
+        `self.error`), or `exc` itself when `text` names no operating-system cause."""
+        cause = _os_cause(text)
+        if cause is None and exc is not None:
+            return exc
+        self.error = CheckpointWriteError(
+            f"cannot write checkpoint step {self.pending} to {self.directory}: "
+            f"{cause[0] if cause else _first_line(exc or Exception(text))}. "
+            f"{self.advice(cause[1] if cause else None, self.directory)}")
+        return self.error
+
+    def advice(self, code: int | None, where: Path) -> str:
+        """Which checkpoint a rerun continues from, and what to do first about the directory
+        `where` that could not be written (`code`: the errno)."""
+        latest = scan(self.directory).latest
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(where).free if where.is_dir() else 0
+            fix = f"Free space on its file system ({free / 2**20:.1f} MiB free now)"
+        elif code == errno.EROFS:
+            fix = "Remount its file system read-write"
+        elif code in (errno.EACCES, errno.EPERM):
+            fix = "Make it writable for this user"
+        else:
+            fix = "Fix the directory"
+        if latest is None:
+            return f"No checkpoint was finalized before it. {fix}, then rerun the same command."
+        return (f"The last intact checkpoint is step {latest} ({self.directory / str(latest)}); "
+                f"an unfinished save is discarded on resume. {fix}, then rerun the same command "
+                f"with --resume.")
 
     def read_meta(self, step: int) -> dict:
         where = self.directory / str(step)
@@ -168,6 +243,58 @@ class Checkpointer:
         return "Nothing was changed; there is no older intact checkpoint to fall back to."
 
 
+# ----------------------------------------------------------------------------- write failures
+#: checkpointers whose writer's error reports are kept on them instead of printed
+_LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def _os_cause(text: str) -> tuple[str, int] | None:
+    """(the operating system's reason, its errno) in an error text: TensorStore reports it as
+    `[os_error_code='28']`, Python as `[Errno 30]`; None when the text names none."""
+    m = re.search(r"os_error_code='?(\d+)", text) or re.search(r"\[Errno (\d+)\]", text)
+    return (os.strerror(int(m.group(1))), int(m.group(1))) if m else None
+
+
+class _WriterReports(logging.Filter):
+    """The writer's error records (Orbax's, and asyncio's for its tasks) that name the directory
+    of a checkpointer with a save in flight: kept on it, not printed. A failed save logs a
+    traceback for each array write and each thread waiting on them; the checkpointer raises one
+    `CheckpointWriteError` instead, naming the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f"\n{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        owner = next((c for c in list(_LIVE) if (c.pending is not None or c.error is not None)
+                      and str(c.directory) in text), None)
+        if owner is None:
+            return True
+        owner.failures.append(text)
+        return False
+
+
+def _quiet_writer_errors() -> None:
+    """Install `_WriterReports`, and drop the "Event loop is closed" reports of TensorStore
+    writes that complete after a failed write of the same save closed its event loop."""
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _WriterReports) for f in log.filters):
+            log.addFilter(_WriterReports())
+    hook = sys.unraisablehook
+    if getattr(hook, "_jaxscale", False):
+        return
+
+    def quiet(u) -> None:
+        if (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+                and any(c.pending is not None or c.error is not None for c in list(_LIVE))):
+            return
+        hook(u)
+    quiet._jaxscale = True
+    sys.unraisablehook = quiet
+
+
 def _unreadable(e: Exception, step: int) -> str:
     """A read failure as `<array>: <reason> in step N`, the array named as in `leaf_signature`
     (TensorStore names it `params.layers.mlp.w_up`) and no internal object reprs."""
@@ -204,6 +331,12 @@ def restore_step(ckpt: Checkpointer, step: int, cfg, abstract_state,
     """(state, meta, notes) of checkpoint `step` of `ckpt` (see `restore_latest`)."""
     directory = ckpt.directory
     meta = ckpt.read_meta(step)
+    bad = position_problems(meta)
+    if bad:
+        raise CorruptCheckpointError(
+            f"checkpoint {Path(directory) / str(step)} is damaged: the position its metadata "
+            f"records is malformed ({'; '.join(bad[:4])}), so a resume cannot continue from it. "
+            f"{ckpt._aside(step)}")
     # the true vocabulary, the model's layers
     kept = disk.disk_abstract(abstract_state, cfg.model.vocab_size, layer_order)
     notes = check_compatible(meta, cfg, kept, str(Path(directory) / str(step)))

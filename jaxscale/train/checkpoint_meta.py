@@ -29,6 +29,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxscale.train.supervise import RestartableError
+
 TMP_MARK = ".orbax-checkpoint-tmp"
 META_VERSION = 2          # 2: per-array checksums and a metadata digest
 
@@ -47,6 +49,11 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint written for a different model (config or parameter shapes)."""
+
+
+class CheckpointWriteError(RestartableError):
+    """A checkpoint that could not be written (a full or read-only directory): the message names
+    the directory, the cause and the last intact checkpoint; the run exits restartable."""
 
 
 def directory_for(cfg, out: Path) -> Path:
@@ -202,6 +209,55 @@ def make_meta(cfg, state, step: int, last_row: dict | None = None,
     meta.update(extra or {})
     meta["digest"] = _digest(meta)
     return meta
+
+
+def _count(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+
+
+def _counts(x, n: int | None = None) -> bool:
+    return isinstance(x, list) and (n is None or len(x) == n) and all(map(_count, x))
+
+
+def _kind(x) -> str:
+    return f"{x!r} ({type(x).__name__})"
+
+
+#: a streamed source's position (`data.stream.PackedBatches.state`): field -> its check
+_DATA_STATE = {"version": _count, "step": _count, "round": lambda x: _counts(x, 2),
+               "emitted": _count, "split": lambda x: isinstance(x, str), "seq_len": _count,
+               "seed": _count, "docs": _count,
+               "tokenizer": lambda x: x is None or isinstance(x, str)}   # its sha256, if any
+
+
+def position_problems(meta: dict) -> list[str]:
+    """What is malformed in the position a checkpoint's metadata records (the step, the data
+    position, a streamed source's state, the spike guard's state): a resume would continue from
+    it, so a wrong type must be named here, not met at the first batch."""
+    out = []
+    if not _count(meta.get("step")):
+        out.append(f"step is {_kind(meta.get('step'))}, not a non-negative integer")
+    if "data_position" in meta and not _count(meta["data_position"]):
+        out.append(f"data_position is {_kind(meta['data_position'])}, not a non-negative "
+                   f"integer (the next batch's index)")
+    ds = meta.get("data_state")
+    if ds is not None and not isinstance(ds, dict):
+        out.append(f"data_state is {_kind(ds)}, not a stream position (a JSON object)")
+    elif ds is not None:
+        out += [f"data_state.{k} is {_kind(ds[k]) if k in ds else 'absent'}"
+                for k, ok in _DATA_STATE.items() if not ok(ds.get(k))]
+    guards = meta.get("guards") or {}
+    if not isinstance(guards, dict):
+        out.append(f"guards is {_kind(guards)}, not a JSON object")
+    else:
+        if "rollbacks" in guards and not _count(guards["rollbacks"]):
+            out.append(f"guards.rollbacks is {_kind(guards['rollbacks'])}, not a count")
+        window = guards.get("window", [])
+        if not isinstance(window, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+                for v in window):
+            out.append(f"guards.window is {str(window)[:60]!r}, not a list of finite losses")
+    return out
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -13,7 +13,10 @@ Checkpoints (`jaxscale.train.checkpoint`): every `ckpt.every` steps, at the end,
 its step and data position (the next batch's index; a streamed source's saved state, so nothing
 is replayed), bitwise the uninterrupted run on the same mesh. metrics.jsonl keeps the rows up to
 the restored step and the resumed rows replace anything written after it; TensorBoard purges
-events after that step.
+events after that step. A checkpoint (or a run file) that cannot be written, the directory full
+or read-only, stops the run at once (`ckpt.check()` every step sees an async save's failure)
+with one message naming the directory, the cause and the last intact checkpoint, and status
+`supervise.EXIT_RESTARTABLE`.
 
 Preemption (`preemption.py`): the first SIGTERM or SIGINT lets the current step finish, then a
 checkpoint is saved and `train` returns with `stopped="SIGTERM"`; a second signal exits at once.
@@ -28,6 +31,7 @@ report every `train.straggler_every` steps.
 """
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
@@ -45,7 +49,7 @@ from jaxscale.train.grads import DISTILL_METRICS, MOE_METRICS
 from jaxscale.train.metrics import MetricsWriter, plot_loss, read_metrics
 from jaxscale.train.preemption import Preemption
 from jaxscale.train.setup import build
-from jaxscale.train.supervise import Monitor
+from jaxscale.train.supervise import Monitor, RestartableError
 
 
 class TrainingStopped(RuntimeError):
@@ -204,6 +208,7 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
                     _say(f"jaxscale train: {what}: update skipped (train.nonfinite=skip)")
                 if cfg.ckpt.every and done % cfg.ckpt.every == 0:
                     save(done)
+                ckpt.check()            # a background save that failed stops the run now
                 if bar is not None:
                     post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{tps:,.0f}",
                             "mfu": f"{100 * row['mfu']:.1f}%"}
@@ -216,6 +221,16 @@ def _train(cfg, out: Path, progress: bool, resume: bool, resume_command: str,
                     break
             save(done)
             ckpt.wait()
+        except OSError as e:        # the run directory is full or read-only (not a checkpoint)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise
+            try:
+                ckpt.wait()                 # a save in flight may still finalize
+            except RestartableError:
+                pass
+            raise RestartableError(
+                f"cannot write {e.filename or out}: {e.strerror}. "
+                f"{ckpt.advice(e.errno, Path(e.filename or out).parent)}") from None
         finally:
             if bar is not None:
                 bar.close()

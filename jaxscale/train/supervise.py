@@ -32,6 +32,12 @@ collective when the peer dies is terminated by JAX's coordination service after 
 timeout, from C++: status 134 (`ABORT_STATUS`, 128 + SIGABRT), which Python cannot change;
 treat 134 as restartable too.
 
+A checkpoint that cannot be written (a full or read-only checkpoint directory: a
+`RestartableError`) likewise exits with `EXIT_RESTARTABLE` at once when it leaves the `with
+Monitor(...)` block, its message naming the directory, the cause and the last intact checkpoint:
+the interpreter's exit would otherwise wait for the checkpoint writer's background threads, some
+of them blocked for minutes on signals from the writes that failed.
+
 Straggler report: every `train.straggler_every` steps (0: never; one process: nothing to
 compare) each process's mean step time over the steps since the last report (the first step,
 compilation, left out) is gathered with `multihost_utils.process_allgather`; a process slower
@@ -69,6 +75,12 @@ PEER_LOST = re.compile(r"Gloo .*(Connection (reset|closed|refused)|Broken pipe|S
                        r"|heartbeat timeout|tasks are unhealthy|Barrier failed", re.S | re.I)
 
 _stack_files: dict[int, object] = {}    # signal -> open file faulthandler writes into
+
+
+class RestartableError(RuntimeError):
+    """A failure a rerun with --resume can get past once its cause is fixed (a checkpoint that
+    could not be written: `checkpoint_meta.CheckpointWriteError`); its message names what is
+    kept. Leaving the `with Monitor(...)` block with one exits with `EXIT_RESTARTABLE` at once."""
 
 
 def heartbeat_path(out: Path, process: int) -> Path:
@@ -191,6 +203,12 @@ class Monitor:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        if isinstance(exc, RestartableError):
+            who = f"process {self.process}: " if self.processes > 1 else ""
+            print(f"jaxscale train: error: {who}{exc}\njaxscale train: exiting with status "
+                  f"{EXIT_RESTARTABLE} (restartable)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_RESTARTABLE)   # background writer threads must not hold the exit
         if peer_lost(exc):
             first = str(exc).strip().splitlines()[0][:300]
             print(f"jaxscale train: error: process {self.process} lost a peer ({first}); "

@@ -185,9 +185,18 @@ def probe(directory: str, need: float, key: str = "plan.offload_dir") -> str | N
     if not directory:
         return (f"{key} is empty: plan.offload_tier=nvme keeps the offloaded state in files; set "
                 f"{key}=/path/on/nvme (an existing, writable directory)")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return (f"{key}={directory!r} is a file, not a directory: point {key} at a directory "
+                f"on the NVMe drive (or move the file away and create the directory there)")
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(directory) and not os.path.isdir(parent):
+        return (f"{key}={directory!r} cannot be created: {parent!r} is a file, not a "
+                f"directory; point {key} at a directory on the NVMe drive")
     if not os.path.isdir(directory):
-        return (f"{key}={directory!r} does not exist or is not a directory: create it "
-                f"(mkdir -p {directory}) or point {key} at a directory on the NVMe drive")
+        return (f"{key}={directory!r} does not exist: create it (mkdir -p {directory}) or point "
+                f"{key} at a directory on the NVMe drive")
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".jaxscale-probe-") as f:
             f.write(b"\0")
