@@ -55,18 +55,24 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # ----------------------------------------------------------------------------- zero skips
 # (tests/test_suite_policy.py runs the class and the hook below in a pytest of its own)
 class ZeroSkips:
-    """Every test runs in CI: a skipped test (`pytest.skip`, `skipif`, `importorskip`, a module
-    skipped at collection) fails the session, which names each one. Skips are counted where the
-    session ends: in this process with `-n 0`, on the pytest-xdist controller otherwise (workers
-    forward every test report and each skipped collection to it; only its exit status counts). An
-    expected failure (`xfail`) ran, so it is not a skip."""
+    """Every test runs and passes in CI: a skipped test (`pytest.skip`, `skipif`,
+    `importorskip`, a module skipped at collection) and an expected failure (`xfail`, as a
+    mark or a call, whether it then fails or passes) fail the session, which names each one.
+    They are counted where the session ends: in this process with `-n 0`, on the pytest-xdist
+    controller otherwise (workers forward every test report and each skipped collection to it;
+    only its exit status counts)."""
 
     def __init__(self):
         self.skipped: list[str] = []
+        self.xfailed: list[str] = []
 
     def _record(self, report) -> None:
-        if report.skipped and not hasattr(report, "wasxfail"):
-            why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        if hasattr(report, "wasxfail"):
+            kind = "XPASS" if report.passed else "XFAIL"
+            self.xfailed.append(f"{kind} {report.nodeid}: "
+                                f"{str(report.wasxfail).removeprefix('reason: ')}")
+        elif report.skipped:
             self.skipped.append(f"{report.nodeid}: {str(why).removeprefix('Skipped: ')}")
 
     def pytest_runtest_logreport(self, report):
@@ -76,15 +82,22 @@ class ZeroSkips:
         self._record(report)
 
     def pytest_sessionfinish(self, session, exitstatus):
-        if self.skipped and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        if (self.skipped or self.xfailed) and exitstatus in (pytest.ExitCode.OK,
+                                                             pytest.ExitCode.NO_TESTS_COLLECTED):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter):
-        if self.skipped:
-            terminalreporter.write_sep("=", f"{len(self.skipped)} skipped, and every test must "
-                                            "run (tests/conftest.py: ZeroSkips)", red=True)
-            for line in self.skipped:
-                terminalreporter.write_line(f"SKIPPED {line}", red=True)
+        if not (self.skipped or self.xfailed):
+            return
+        counts = [f"{len(x)} {what}" for x, what in ((self.skipped, "skipped"),
+                                                      (self.xfailed, "expected to fail (xfail)"))
+                  if x]
+        terminalreporter.write_sep("=", f"{' and '.join(counts)}, and every test must run and "
+                                        "pass (tests/conftest.py: ZeroSkips)", red=True)
+        for line in self.skipped:
+            terminalreporter.write_line(f"SKIPPED {line}", red=True)
+        for line in self.xfailed:
+            terminalreporter.write_line(line, red=True)
 
 
 def pytest_configure(config):

@@ -249,10 +249,9 @@ def test_tiny_sweep_accounting(tmp_path):
     assert json.loads(js.read_text())["ratios"] and png.stat().st_size > 10_000
 
 
-def test_torch_failure_is_reported_and_jax_still_runs(capsys, tmp_path):
-    import torch
-    # the failure is NCCL's without a GPU: CI and the test suite run on CPUs only
-    assert not torch.cuda.is_available(), "this test needs a machine without CUDA GPUs"
+def test_torch_failure_is_reported_and_jax_still_runs(capsys, tmp_path, monkeypatch):
+    # the failure is NCCL's without a GPU: the torch processes are shown none, on any machine
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     code = bench.main(["--min-bytes", "1K", "--max-bytes", "1K", "--iters", "1", "--warmup", "0",
                        "--kinds", "all_reduce", "--world", "2", "--torch-backend", "nccl",
                        "--no-handwritten", "--timeout", "60", "--out", str(tmp_path)])

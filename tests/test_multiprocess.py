@@ -1,7 +1,8 @@
 """Two processes x 4 CPU devices through `jaxscale launch` (jax.distributed, gloo collectives):
 the loss equals the one-process 8-device run's, checkpoints written by both processes resume,
-killing one process stops the other within the launcher's bound, and `--max-restarts` restarts
-them from the last checkpoint to the uninterrupted run's losses."""
+killing one process stops the other (the launcher kills it, or it leaves on its own lost-peer
+error first), and `--max-restarts` restarts them from the last checkpoint to the uninterrupted
+run's losses."""
 import json
 import os
 import re
@@ -18,7 +19,6 @@ from jaxscale.train import checkpoint_meta as ckpt_meta
 from tests.helpers import SMALL_ARGS, subprocess_env
 
 SMALL = SMALL_ARGS
-FAIL_BOUND_S = 30       # a dead process's peers are gone within this (launch.py: under a second)
 STEPS = 30
 
 
@@ -34,6 +34,15 @@ def train(out, steps, *extra) -> list[str]:
 
 def cli(*argv) -> list[str]:
     return [sys.executable, "-m", "jaxscale.cli", *argv]
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (/proc/<pid>/stat), None once it is gone: with the pid, an
+    identity that a later process given the same pid does not share."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def rows_of(out: Path) -> list[dict]:
@@ -90,12 +99,13 @@ def test_resume_then_a_killed_process_stops_the_other_and_the_run_restarts(two_p
     p = subprocess.Popen(cli("launch", "--processes", "2", "--max-restarts", "1", "--",
                              *train(out, STEPS), "--resume"),
                          env=env, stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 300            # a guard against a hang, not a bound
     while not (out / "checkpoints" / "9").is_dir():
         assert p.poll() is None, err_path.read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint at step 9"
         time.sleep(0.02)
     pids = [int(x) for x in re.search(r"pids (\d+) (\d+)", err_path.read_text()).groups()]
+    started = _start_time(pids[0])
     os.kill(pids[1], signal.SIGSTOP)             # no further step, then the kill
     os.kill(pids[1], signal.SIGKILL)
     assert p.wait(300) == 0, err_path.read_text()[-3000:]
@@ -104,11 +114,10 @@ def test_resume_then_a_killed_process_stops_the_other_and_the_run_restarts(two_p
     # the other stopped by the launcher, or already gone on its own (its lost-peer exit 75)
     # when the launcher first saw the kill
     stopped = re.search(r"process 1 \(pid \d+\) was killed by SIGKILL; stopped the other "
-                        r"([01]) process\(es\) in ([\d.]+) s", err)
-    assert stopped and float(stopped.group(2)) < FAIL_BOUND_S, err[-3000:]
+                        r"([01]) process\(es\) in [\d.]+ s", err)
+    assert stopped, err[-3000:]
     assert stopped.group(1) == "1" or "process 0 lost a peer" in err, err[-3000:]
-    with pytest.raises(ProcessLookupError):      # the first process 0 is gone too
-        os.kill(pids[0], 0)
+    assert _start_time(pids[0]) != started       # the first process 0 is gone too
     back = re.search(r"restart 1 of 1 after process 1 \(pid \d+\) was killed by SIGKILL; "
                      r"resuming from checkpoint step (\d+)", err)
     assert back and int(back.group(1)) >= 9, err[-3000:]   # finalized checkpoints survive

@@ -91,11 +91,15 @@ def test_streamed_step_equals_the_whole_update_and_skips_alike():
     assert [r["skipped"] for r in rows] == [r["skipped"] for r in ref_rows] == [0, 1, 0]
     assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ref_rows]
     assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2          # halved by the skip
-    for key in ("loss", "grad_norm", "tokens", "lr"):
+    # two compiled programs, so nothing bitwise but counts: the learning rate is the same
+    # schedule (to one rounding of its cosine); the first step's loss and norm come from the
+    # same parameters and batch (to 4 fp32 ulps: their sums fused otherwise), later ones from
+    # states equal to fp32 rounding (below)
+    for key, first, rest in (("tokens", 0, 0), ("lr", 2 ** -23, 2 ** -23),
+                             ("loss", 2 ** -21, 1e-6), ("grad_norm", 2 ** -21, 1e-6)):
         got, ref = [r[key] for r in rows], [r[key] for r in ref_rows]
-        exact = 1 if key in ("loss", "grad_norm") else steps   # later: from rounded-alike states
-        np.testing.assert_array_equal(got[:exact], ref[:exact], err_msg=key)
-        np.testing.assert_allclose(got, ref, rtol=1e-6, equal_nan=True, err_msg=key)
+        np.testing.assert_allclose(got[:1], ref[:1], rtol=first, atol=0, err_msg=key)
+        np.testing.assert_allclose(got, ref, rtol=rest, atol=0, equal_nan=True, err_msg=key)
     # the skipped step left parameters, master weights and moments exactly as they were
     for part in ("params", "opt_state", "master"):
         for a, b in zip(jax.tree.leaves(getattr(states[0], part)),

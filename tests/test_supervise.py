@@ -1,15 +1,19 @@
 """Supervised runs: the in-process monitor (heartbeats, the hang watchdog and its exit status, a
 lost peer, the straggler report over a real `process_allgather`), the launcher's restarts, hang
 detection with stack dumps and elastic mesh choice, tested on small fake training programs (the
-end-to-end restart of a real two-process run is in tests/test_multiprocess.py)."""
+elastic restart then runs the real `jaxscale train`; the end-to-end restart of a real
+two-process run is in tests/test_multiprocess.py). No assertion waits on the clock: a hang is
+a clock moved by an hour, and the fake processes meet before they hang."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from jaxscale import config as config_lib
@@ -66,9 +70,10 @@ from types import SimpleNamespace
 from jaxscale.train import supervise
 
 def stuck_in_a_collective():
-    time.sleep(60)
+    time.time = lambda now=time.time: now() + 3600   # an hour passes here without a step
+    time.sleep(600)
 
-cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=0.5)
+cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=300)
 with supervise.Monitor(cfg, Path(sys.argv[1]), 0, process=0, processes=1, supervisor="") as m:
     for step in range(1, 4):
         m.stepped(step, 0.01)
@@ -81,11 +86,14 @@ GLOO = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.
 
 
 def test_watchdog_dumps_its_stack_and_exits_restartable(tmp_path):
+    """The hang: the process's clock jumps an hour once it is stuck (the limit is 300 s), so the
+    watchdog's next look (within a second) finds it, however slowly the process got there."""
     r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path), "hang", ""],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == supervise.EXIT_RESTARTABLE == 75, r.stderr
     stacks = supervise.stack_path(tmp_path, 0)
-    assert "after step 3" in r.stderr and str(stacks) in r.stderr
+    assert re.search(r"no step completed for 36\d\d\.\d s after step 3 \(limit 300\.0 s", r.stderr)
+    assert str(stacks) in r.stderr
     assert "stuck_in_a_collective" in stacks.read_text()
 
 
@@ -102,15 +110,24 @@ def test_a_lost_peer_exits_restartable_other_errors_do_not(tmp_path):
 
 # ----------------------------------------------------------------------------- the launcher
 #: a training process stand-in: records its attempt, steps 3 times under a Monitor, then does
-#: what FAKE_PLAN says for this attempt
+#: what FAKE_PLAN says for this attempt ("real": the real `jaxscale train` of the command). Its
+#: hang limit (300 s) is never reached by the clock: a "hang" waits until every process has
+#: done its 3 steps, then sets its clock an hour back and reports step 3 again, so that the
+#: launcher's next look at the heartbeats finds it, whatever the machine's load
 FAKE = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 from jaxscale.train import supervise
 
-def stuck_in_a_collective():
-    time.sleep(60)
+def stuck_in_a_collective(mon=None):
+    if mon is not None:
+        (out / f"stepped-{i}").touch()
+        while not all((out / f"stepped-{j}").exists() for j in range(n)):
+            time.sleep(0.01)
+        time.time = lambda now=time.time: now() - 3600
+        mon.stepped(3, 0.02)
+    time.sleep(600)
 
 argv = sys.argv[1:]
 out = Path(argv[argv.index("--out") + 1])
@@ -123,10 +140,12 @@ with open(log, "a") as f:
 what = json.loads(os.environ["FAKE_PLAN"])[attempt]
 if what == "refused":
     sys.exit(2)
-cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=1.0)
+if what == "real":
+    from jaxscale.cli import main
+    sys.exit(main(argv))
+cfg = SimpleNamespace(straggler_every=0, straggler_factor=1.5, hang_factor=10.0, hang_min_s=300)
 mon = supervise.Monitor(cfg, out, 0, process=i, processes=n)
 for step in range(1, 4):
-    time.sleep(0.02)
     mon.stepped(step, 0.02)
 ckpt = out / "checkpoints" / "3"
 if what == "ckpt" and i == 0:
@@ -136,18 +155,18 @@ if what in ("die", "ckpt") and i == n - 1:
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 if what in ("die", "ckpt", "hang"):
-    stuck_in_a_collective()
+    stuck_in_a_collective(mon if what == "hang" else None)
 mon.close()
 """
 
 
-def fake_launch(tmp_path, monkeypatch, plan, processes=2, cfg=None, **kw):
+def fake_launch(tmp_path, monkeypatch, plan, processes=2, cfg=None, command=None, **kw):
     monkeypatch.setenv("FAKE_PLAN", json.dumps(plan))
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)
-    run = Run(out, out / "checkpoints", cfg, hang_min_s=1.0)
-    rc = launch(["train", "fake", "--out", str(out)], processes=processes, local_devices=4,
-                run=run, program=[sys.executable, "-c", FAKE], **kw)
+    run = Run(out, out / "checkpoints", cfg, hang_min_s=300.0)
+    rc = launch(command or ["train", "fake", "--out", str(out)], processes=processes,
+                local_devices=4, run=run, program=[sys.executable, "-c", FAKE], **kw)
     attempts = [[json.loads(x) for x in (out / f"attempts-{i}.jsonl").read_text().splitlines()]
                 for i in range(processes) if (out / f"attempts-{i}.jsonl").exists()]
     return rc, out, attempts
@@ -185,7 +204,8 @@ def test_a_hang_dumps_every_stack_then_restarts(tmp_path, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert rc == 0, err
     files = [supervise.stack_path(out, i) for i in range(2)]
-    assert re.search(r"a hang: process \d completed no step for [\d.]+ s after step 3", err), err
+    assert re.search(r"a hang: process \d completed no step for 36\d\d\.\d s after step 3 "
+                     r"\(limit 300\.0 s", err), err
     assert all(str(f) in err for f in files) and "restart 1 of 1 after a hang" in err
     for f in files:
         text = f.read_text()
@@ -199,13 +219,41 @@ def small_llama(*overrides):
 
 
 def test_elastic_restarts_on_one_process_fewer_on_the_nearest_mesh(tmp_path, monkeypatch, capfd):
-    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["die", "ok"], cfg=small_llama(),
-                                    max_restarts=1, elastic=True)
+    """A run of 2 processes x 4 devices (dp2 x fsdp2 x tp2) loses a process after its
+    checkpoint at step 2; the restart is the real `jaxscale train --resume` on the one process
+    left, on the nearest mesh that fits its 4 devices (fsdp2 x tp2): it restores step 2 there
+    and trains steps 3 and 4 to the losses of the uninterrupted run on 8 devices (another mesh:
+    another order of reductions, hence the tolerance)."""
+    from jaxscale.train.loop import train
+    from jaxscale.train.metrics import read_metrics
+    from tests.helpers import SMALL_ARGS
+    out = tmp_path / "run"
+    command = ["train", "llama_tiny", "--steps", "4", "--out", str(out), *SMALL_ARGS,
+               "--set", "ckpt.every=2"]
+    cfg = config_lib.apply_overrides(config_lib.load_experiment("llama_tiny"),
+                                     [a for a in command[6:] if a != "--set"] + ["train.steps=4"])
+    train(cfg, out, progress=False)              # the uninterrupted run, here on 8 devices
+    ref = read_metrics(out / "metrics.jsonl")
+    shutil.rmtree(out / "checkpoints" / "4")     # as if lost after the checkpoint at step 2
+    capfd.readouterr()
+    rc, out, attempts = fake_launch(tmp_path, monkeypatch, ["die", "real"], cfg=cfg,
+                                    command=command, max_restarts=1, elastic=True)
     err = capfd.readouterr().err
     assert rc == 0, err
     assert [a["n"] for a in attempts[0]] == [2, 1] and len(attempts[1]) == 1
-    assert attempts[0][1]["argv"][-2:] == ["--set", "mesh.dp=1"]
+    assert attempts[0][1]["argv"][-3:] == ["--resume", "--set", "mesh.dp=1"]
     assert "the nearest that does: fsdp=2 x tp=2 (--set mesh.dp=1)" in err
+    assert f"resumed from {out / 'checkpoints' / '2'} (step 2" in err
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in rows[2:]], [r["loss"] for r in ref[2:]],
+                               rtol=1e-5)
+    metas = [json.loads((out / "checkpoints" / str(k) / "meta" / "metadata").read_text())
+             for k in (2, 4)]
+    assert [m["mesh"]["devices"] for m in metas] == [8, 4]
+    assert metas[1]["mesh"]["degrees"]["dp"] == 1
+    params = [{k: v for k, v in m["checksums"].items() if k.startswith("params/")} for m in metas]
+    assert params[0] and all(params[1][k] != v for k, v in params[0].items())   # trained on
 
 
 def test_elastic_stops_when_the_batch_does_not_divide(tmp_path, monkeypatch, capfd):
@@ -288,14 +336,16 @@ with supervise.Monitor(cfg, Path(sys.argv[1]), 0) as mon:
 
 
 def test_a_real_lost_peer_exits_restartable_at_once(tmp_path):
+    """Process 0 leaves with status 75 on gloo's error, not on the coordination service's
+    heartbeat timeout: that is an hour here, twelve times the longest this test waits."""
     from jaxscale.launch import _child_env, free_port
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)],
-                              env=_child_env(i, 2, port, 1, heartbeat=30, prefix=""),
+                              env=_child_env(i, 2, port, 1, heartbeat=3600, prefix=""),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     try:
-        err = procs[0].communicate(timeout=25)[1]      # well inside the 30 s heartbeat timeout
+        err = procs[0].communicate(timeout=300)[1]     # a guard against a hang, not a bound
     finally:
         for p in procs:
             p.kill()

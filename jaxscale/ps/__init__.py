@@ -7,7 +7,9 @@ devices with the plan's step. The transport is ZeroMQ (`wire.py`: REQ/ROUTER soc
 localhost on one machine, any reachable host on a cluster). A worker pulls the current
 parameters, computes on its own batches (worker w of N takes batches w, w + N, w + 2N, ... of the
 run's data stream) and pushes the result; the server applies each push as it arrives and answers
-at once, so a slow worker delays only its own pushes.
+at once, so a slow worker delays only its own pushes. `scheduled.py` drives the same server and
+workers in one thread with the pushes in a given order: an interleaving, and so every push's
+staleness, chosen rather than left to the processes' speeds (tests, studies).
 
 Modes (`ps.mode`):
 - `sgd` (asynchronous SGD, Downpour-style): a push is one batch's gradients; the server runs the

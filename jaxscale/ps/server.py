@@ -66,7 +66,11 @@ def make_apply(setup, ps):
 
 
 class Server:
-    def __init__(self, cfg, out: Path, workers: int, address: str, resume: bool, device=None):
+    """The server's state and its answers (`handle`); `serve` answers the ZeroMQ socket on
+    `address` (None: no socket, the requests handed to `handle` directly, `scheduled.py`)."""
+
+    def __init__(self, cfg, out: Path, workers: int, address: str | None, resume: bool,
+                 device=None):
         self.cfg, self.out, self.workers, self.ps = cfg, Path(out), workers, cfg.ps
         self.setup = build(server_config(cfg), [device or jax.devices()[0]])
         self.order = self.setup.layout.layer_order
@@ -95,7 +99,7 @@ class Server:
         self.identities: dict[bytes, int] = {}     # ZeroMQ identity -> worker
         self.staleness: Counter = Counter()
         self.dropped = self.applied = 0
-        self.sock = wire.bind(address)
+        self.sock = wire.bind(address) if address else None
         self.out.mkdir(parents=True, exist_ok=True)
         config_lib.save(cfg, self.out / "config.json")
         self.writer = MetricsWriter(self.out, resume_step=self.step if resume else None)
@@ -221,7 +225,8 @@ class Server:
     def finish(self) -> dict:
         self.writer.close()
         self.ckpt.close()
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         total = sum(self.staleness.values())
         summary = {"steps": self.step, "workers": self.workers, "mode": self.ps.mode,
                    "step_rule": self.ps.step_rule, "applied": self.applied,

@@ -39,11 +39,17 @@ def worker_config(cfg, devices: int):
 
 
 class Worker:
-    def __init__(self, cfg, worker: int, workers: int, address: str, devices=None):
+    """One worker: `join`, then `pull` and `push` in turn until the server says done (`run`).
+    `client` replaces the ZeroMQ connection to `address` (`jaxscale.ps.scheduled`)."""
+
+    def __init__(self, cfg, worker: int, workers: int, address: str | None, devices=None,
+                 client=None):
         self.cfg, self.w, self.n, self.ps = cfg, worker, workers, cfg.ps
         devices = list(devices or jax.devices())
         self.setup = build(worker_config(cfg, len(devices)), devices)
-        self.client = wire.Client(address)
+        self.client = client or wire.Client(address)
+        self.treedef = jax.tree.structure(self.setup.abstract_state().params)
+        self.position = self.pushes = 0
         self.train_b = make_batches(cfg.data)[0]
         self.sh = self.setup.batch_shardings()
         self.slow = cfg.ps.slow_factors().get(worker, 1.0)
@@ -76,7 +82,8 @@ class Worker:
                              jax.device_get(new), pulled)
         return flatten(delta)[0], float(np.mean(losses)), tokens, self.ps.local_steps
 
-    def run(self) -> int:
+    def join(self) -> dict:
+        """Say hello; the server's answer (its step, this worker's data position, done)."""
         head, _ = self.client.request({"op": "hello", "worker": self.w})
         if "error" in head:
             raise ValueError(head["error"])
@@ -84,28 +91,44 @@ class Worker:
         if head["shapes"] != mine:
             raise ValueError(f"worker {self.w}'s parameters {mine} differ from the server's "
                              f"{head['shapes']}: the same model and vocabulary padding needed")
-        position, pushes = head["position"], 0
-        treedef = jax.tree.structure(self.setup.abstract_state().params)
+        self.position, self.pushes = head["position"], 0
+        return head
+
+    def pull(self):
+        """(the server's step, its parameters on this worker's devices), or None when done."""
+        head, leaves = self.client.request({"op": "pull", "worker": self.w})
+        if head["done"]:
+            return None
+        return head["step"], jax.device_put(jax.tree.unflatten(self.treedef, leaves),
+                                            self.setup.device_shardings.params)
+
+    def push(self, pulled) -> dict:
+        """Compute on the parameters `pull` gave (however many updates ago) at this worker's
+        position and push the result; the server's answer."""
+        step, params = pulled
+        t0 = time.perf_counter()
+        arrays, loss, tokens, used = self.compute(params, self.position)
+        busy = time.perf_counter() - t0
+        if self.slow > 1 and self.pushes:     # (the first compiles: not a step's time)
+            time.sleep((self.slow - 1) * busy)
+        head, _ = self.client.request(
+            {"op": "push", "worker": self.w, "pulled": step, "position": self.position + used,
+             "loss": loss, "tokens": tokens, "seconds": time.perf_counter() - t0}, arrays)
+        if head.get("applied"):
+            self.position += used
+            self.pushes += 1
+        return head
+
+    def run(self) -> int:
+        """Pull, compute, push until the server says done; the pushes it applied."""
+        head = self.join()
         while not head["done"]:
-            head, leaves = self.client.request({"op": "pull", "worker": self.w})
-            if head["done"]:
+            pulled = self.pull()
+            if pulled is None:
                 break
-            pulled = head["step"]
-            params = jax.device_put(jax.tree.unflatten(treedef, leaves),
-                                    self.setup.device_shardings.params)
-            t0 = time.perf_counter()
-            arrays, loss, tokens, used = self.compute(params, position)
-            busy = time.perf_counter() - t0
-            if self.slow > 1 and pushes:          # (the first compiles: not a step's time)
-                time.sleep((self.slow - 1) * busy)
-            head, _ = self.client.request(
-                {"op": "push", "worker": self.w, "pulled": pulled, "position": position + used,
-                 "loss": loss, "tokens": tokens, "seconds": time.perf_counter() - t0}, arrays)
-            if head.get("applied"):
-                position += used
-                pushes += 1
+            head = self.push(pulled)
         self.client.close()
-        return pushes
+        return self.pushes
 
 
 def main(argv: list[str] | None = None) -> int:
