@@ -6,10 +6,11 @@ from jaxscale.analysis.validation import PLANS, tiny_config  # noqa: F401  (the 
 MESH_1 = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")
 
 
-#: `--set` flags for a small CLI run (subprocess tests); lr does not depend on train.steps.
+#: `--set` flags for a small CLI run (subprocess tests): real updates from the first step (no
+#: warm-up from lr 0), and an lr that does not depend on train.steps.
 SMALL_ARGS = ["--set", "model.n_layers=2", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
               "--set", "data.max_bytes=400000", "--set", "train.eval_every=0",
-              "--set", "optim.decay_steps=100"]
+              "--set", "optim.warmup_steps=0", "--set", "optim.decay_steps=100"]
 
 
 def subprocess_env(tmp_path_factory) -> dict:

@@ -2,8 +2,9 @@
 
 Every test that claims a plan equals one device goes through `assert_matches`:
 
-- the optimizer takes real steps from the first one: warm-up 0 and a learning rate that stays at
-  `optim.lr` (the decay is 1000 steps long), so 3 steps are 3 updates of AdamW;
+- the optimizer takes real steps from the first one (`tiny_config`'s: warm-up 0 and a learning
+  rate that stays at `optim.lr`, the decay 1000 steps long), so 3 steps are 3 updates of AdamW,
+  and both runs' weights must have moved before anything is compared (`MOVED`);
 - at least 3 steps, each on its own batch of the same data stream for both runs;
 - at each step it compares the loss, the mean gradients the update read (the train step's
   `with_grads` output: the plan's reduction, compression and ZeRO layout included, no second
@@ -39,8 +40,6 @@ from jaxscale.train import disk
 from jaxscale.train.setup import build
 from tests.helpers import MESH_1, tiny_config
 
-#: the optimizer of the numerics runs: AdamW at its full learning rate from the first step
-REAL_UPDATES = ("optim.warmup_steps=0", "optim.decay_steps=1000")
 STEPS = 3
 
 
@@ -102,6 +101,7 @@ class Trajectory:
     losses: list[float] = field(default_factory=list)
     grads: list = field(default_factory=list)
     params: list = field(default_factory=list)       # fp32 weights after each update
+    initial: object = None                            # the fp32 weights before the first
     lr: float = 0.0
     metrics: list = field(default_factory=list)
     text: str = ""               # the compiled step's HLO (with the gradients as an output)
@@ -112,12 +112,13 @@ class Trajectory:
 def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
     """`steps` real updates of the tiny model under `overrides` (`--set` strings) on `devices`
     (all 8 by default), each on batch i of one seeded stream."""
-    cfg = cfg or tiny_config(*overrides, *REAL_UPDATES)
+    cfg = cfg or tiny_config(*overrides)
     setup = build(cfg, devices, with_grads=True)
     compiled = setup.lower_train_step().compile()
     batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
     state = setup.init_state()
     out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup, compiled=compiled)
+    out.initial = _weights(state, cfg, setup)
     for i in range(steps):
         state, m = compiled(state, batches.device_batch(i, setup.batch_shardings()))
         if "grads" in m:        # at the model's true vocabulary, as one device holds it
@@ -126,10 +127,30 @@ def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
         out.losses.append(float(m.pop("loss")))
         out.grads.append(m.pop("grads", None))      # None: a step of its own (local SGD)
         out.metrics.append({k: float(v) for k, v in m.items()})
-        weights = state.master if state.master is not None else state.params
-        out.params.append(jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(
-            disk.to_disk(weights, cfg.model.vocab_size, setup.layout.layer_order))))
+        out.params.append(_weights(state, cfg, setup))
     return out
+
+
+def _weights(state, cfg, setup):
+    """The fp32 weights (the master when the policy keeps one) in the model's layout."""
+    weights = state.master if state.master is not None else state.params
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(
+        disk.to_disk(weights, cfg.model.vocab_size, setup.layout.layer_order)))
+
+
+#: the least mean move of the weights, in learning rates, by optimizer: AdamW's first step
+#: moves every element whose gradient is not zero by about lr (m / sqrt(v) = sign(g)); SGD
+#: moves it by lr x (g + decay x w), on the tiny model about 0.05 lr over 3 updates. A run whose
+#: weights moved less did not take a real update (a warm-up from lr 0, a dropped gradient), and
+#: comparing it with another proves nothing. (Local SGD shows its anchor, which moves at the
+#: replicas' first average: the largest move over the steps counts.)
+MOVED = {"adamw": 0.25, "sgd": 1e-3}
+
+
+def moved(t: Trajectory) -> float:
+    """The largest mean |w_t - w_0| over the updates, in learning rates."""
+    return max(float(np.concatenate([np.abs(a - b).ravel() for _, a, b in
+                                     _leaves(p, t.initial)]).mean() / t.lr) for p in t.params)
 
 
 def one_device(*overrides, steps: int = STEPS) -> Trajectory:
@@ -160,6 +181,10 @@ def compare(got: Trajectory, ref: Trajectory) -> dict:
 
 
 def assert_matches(got: Trajectory, ref: Trajectory, tol: Tolerance = FP32) -> dict:
+    for side, t in (("the plan", got), ("the reference", ref)):
+        m, floor = moved(t), MOVED[t.setup.cfg.optim.kind]
+        assert m >= floor, (f"{side}'s updates moved the weights by {m:.3g} lr on average "
+                            f"(at least {floor} expected): nothing was compared")
     d = compare(got, ref)
     if d["grads"] is None:
         assert tol.grads is None, "a tolerance on the gradients, but the step shows none"

@@ -296,12 +296,20 @@ def test_plan_compression_tracks_one_device_and_its_census_is_the_formula(method
     got = numerics.run((*DP8, f"plan.compression={method}", *extra))
     numerics.assert_matches(got, one_device, numerics.COMPRESSION[method])
     s = got.setup
+    census = inspect.census(s.lower_train_step().compile().as_text(), s.placement.mesh)
     if method == "powersgd":
         state = s.init_state()
         q = jax.tree.leaves(state.comm.q)[0]
         assert q.shape[0] == 8 and q.sharding.spec[0] == MESH_AXES  # a slice per device
+        # by hand from the parameters' shapes: each leaf a batch of matrices over its last two
+        # dimensions, P [n, r] and Q [m, r] in fp32 summed over dp; a leaf whose last two
+        # dimensions are not both above the rank goes whole; and the loss and token count
+        def psgd(shape, r=2):
+            *batch, n, m = shape if len(shape) > 1 else (1, *shape)
+            return math.prod(batch) * (n + m) * r * 4 if min(n, m) > r else 4 * math.prod(shape)
+        want = 8 + sum(psgd(p.shape) for p in jax.tree.leaves(s.abstract_state().params))
+        assert census == [{**census[0], "kind": "all-reduce", "axes": ["dp"], "bytes": want}]
         return
-    census = inspect.census(s.lower_train_step().compile().as_text(), s.placement.mesh)
     theory = inspect.theory_vs_census(plan.collectives(s.placement.spec), census)
     for r in theory:        # the method's all-to-alls and all-gathers; the scalar token count
         assert r["census_bytes"] == r["theory_bytes"] or (r["census_bytes"] == 0

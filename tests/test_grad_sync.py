@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxscale import plan as plan_lib
-from jaxscale.analysis import inspect
+from jaxscale.analysis import hlo, inspect
 from jaxscale.planner import memory as planner_memory
 from jaxscale.train.setup import build
 from tests import numerics
@@ -49,6 +49,29 @@ def test_losses_and_gradients_equal_the_per_micro_batch_modes(modes):
     numerics.assert_matches(auto, micro, numerics.FP32)
 
 
+def _runs_over_dp(traj) -> list[float]:
+    """How many times per step each compiled all-reduce whose group spans dp runs (the HLO's
+    loop trip counts: a reduction inside the micro-batch loop runs once per micro-batch)."""
+    mod = hlo.Module(traj.text)
+    mesh = traj.setup.placement.mesh
+    out = []
+    for ins in mod.instrs:
+        groups = hlo.replica_groups(ins.rest) if ins.opcode.startswith("all-reduce") else None
+        if groups and len(groups[0]) > 1 and "dp" in inspect.axes_of_group(groups[0], mesh):
+            out.append(mod.runs.get(ins.computation, 0.0))
+    return out
+
+
+def test_the_replicated_reduction_runs_once_after_the_micro_batch_loop(modes):
+    """Where the reduction runs, read from the program (not from the formula, which follows
+    `sync_axes` whatever it says): once per step every reduction over dp sits outside the
+    4-micro-batch loop; per micro-batch each runs 4 times (8 inside the 2-layer loop)."""
+    _, auto, micro, _, _ = modes
+    once, per_micro = _runs_over_dp(auto), _runs_over_dp(micro)
+    assert once and set(once) == {1.0}, once
+    assert per_micro and set(per_micro) <= {4.0, 8.0} and 4.0 in per_micro, per_micro
+
+
 def _over_dp(rows) -> float:
     """Census bytes of the reductions whose group includes dp (the replicated axis)."""
     return sum(r["census_bytes"] for (kind, axes), r in rows.items()
@@ -62,10 +85,9 @@ def test_replicated_axis_bytes_per_step_are_one_micro_batchs(modes):
     reduces the norm scales and the embedding over dp x fsdp at their whole size), where the
     per-micro-batch mode moves 4 times that."""
     plan, auto, micro, one, one_cfg = modes
-    cfg = tiny_config(*plan, *ACC4, *numerics.REAL_UPDATES)
+    cfg = tiny_config(*plan, *ACC4)
     got = _rows(auto.text, cfg)
-    per_micro = _rows(micro.text, tiny_config(*plan, *ACC4, "plan.grad_sync=microbatch",
-                                              *numerics.REAL_UPDATES))
+    per_micro = _rows(micro.text, tiny_config(*plan, *ACC4, "plan.grad_sync=microbatch"))
     single = _rows(one, one_cfg)
     params = auto.setup.abstract_state().params
     shard = sum(4 * math.prod(p.sharding.shard_shape(p.shape)) for p in jax.tree.leaves(params))
@@ -113,12 +135,12 @@ def test_a_strategys_own_mean_once_per_micro_batch(method, one_device_acc4):
     got = numerics.run((*plan, "plan.grad_sync=microbatch"))
     numerics.assert_matches(got, one_device_acc4, numerics.COMPRESSION.get(
         method.split()[0], numerics.FP32))
-    cfg = tiny_config(*plan, "plan.grad_sync=microbatch", *numerics.REAL_UPDATES)
+    cfg = tiny_config(*plan, "plan.grad_sync=microbatch")
     rows = _rows(got.text, cfg)
     for r in rows.values():
         assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
     if method != "sparse embedding":
-        once = plan_lib.Spec.from_config(tiny_config(*plan, *numerics.REAL_UPDATES), 8)
+        once = plan_lib.Spec.from_config(tiny_config(*plan), 8)
         per_step = sum(c.bytes for c in plan_lib.collectives(once) if c.axes == ("dp",))
         over_dp = sum(r["census_bytes"] for (_, axes), r in rows.items() if axes == ("dp",))
         assert over_dp == pytest.approx(4 * per_step, rel=1e-3)

@@ -247,7 +247,7 @@ def test_replicas_that_are_fsdp_tp_groups_equal_dp_on_the_same_mesh():
     # the census is the formula row by row: the average over dp, and inside each replica
     # fsdp's gradient reduction and gathers and tp's activations, as in any step
     spec = plan.Spec.from_config(tiny_config(
-        *mesh, *SGD, "plan.local_sgd=local", "plan.local_steps=1", *numerics.REAL_UPDATES),
+        *mesh, *SGD, "plan.local_sgd=local", "plan.local_steps=1"),
         8).with_(device_kind="cpu")
     rows = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
         local.text, local.setup.placement.mesh, plan.branch_share(spec)))
@@ -282,7 +282,7 @@ def test_diloco_averages_its_parameter_changes_through_compression(method, diloc
     got = numerics.run((*HSDP, *DILOCO, *comp), steps=4)
     worst = numerics.assert_matches(got, diloco_hsdp, dataclasses.replace(
         numerics.COMPRESSION[method] if method == "int8" else POWERSGD_OUTER, grads=None))
-    spec = plan.Spec.from_config(tiny_config(*HSDP, *DILOCO, *comp, *numerics.REAL_UPDATES),
+    spec = plan.Spec.from_config(tiny_config(*HSDP, *DILOCO, *comp),
                                  8).with_(device_kind="cpu")
     rows = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
         got.text, got.setup.placement.mesh, plan.branch_share(spec)))
@@ -297,6 +297,28 @@ def test_diloco_averages_its_parameter_changes_through_compression(method, diloc
           f"fp32's")                                                  # docs/local_sgd.md
     if method == "powersgd":        # its error feedback and Q, one slice per device
         assert "mean" in got.setup.init_state().comm
+
+
+def test_diloco_through_powersgd_moves_the_anchor_by_a_rank_r_change():
+    """DiLoCo's first outer step through PowerSGD rank 2 on dp8 (each device holds whole
+    leaves, so the matrices PowerSGD sees are each leaf's last two dimensions): outer Nesterov
+    from zero momentum scales the compressed mean P Q^T, so the anchor's change is rank 2 in
+    every matrix whose dimensions exceed 2. A plain mean's change is full rank (measured
+    sv3/sv1 0.2-0.9); no outer step leaves the anchor where it was."""
+    got = numerics.run((*DP8, *DILOCO, "plan.compression=powersgd", "plan.compression_rank=2"),
+                       steps=2)
+    matrices = 0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got.params[1])[0],
+                            jax.tree.leaves(got.initial)):
+        d = np.asarray(a - b, np.float64)
+        if d.ndim < 2 or min(d.shape[-2:]) <= 2:
+            continue
+        sv = np.linalg.svd(d.reshape(-1, *d.shape[-2:]), compute_uv=False)
+        assert sv[:, 0].min() > got.lr, jax.tree_util.keystr(path)       # it moved
+        assert (sv[:, 2] <= 1e-3 * sv[:, 0]).all(), (jax.tree_util.keystr(path),
+                                                     (sv[:, 2] / sv[:, 0]).max())
+        matrices += 1
+    assert matrices == 9
 
 
 def test_diloco_keeps_its_outer_state_in_host_memory(diloco_hsdp):
@@ -315,7 +337,7 @@ def test_diloco_keeps_its_outer_state_in_host_memory(diloco_hsdp):
     shards = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in outer)
     assert len(host) == len(outer)
     assert sum(hlo.nbytes(hlo.shapes(p)) for p in host) == shards
-    cfg = tiny_config(*HSDP, *DILOCO, "plan.offload=optimizer", *numerics.REAL_UPDATES)
+    cfg = tiny_config(*HSDP, *DILOCO, "plan.offload=optimizer")
     assert planner.predict(cfg, 8).memory.host == {"optimizer": shards}
 
 

@@ -255,7 +255,7 @@ def test_fragments_compose_with_pipeline_stages_of_tp_groups():
     numerics.assert_matches(got, dp, dataclasses.replace(
         numerics.FP32, grads=None, why="the same fp32 steps; local SGD's step shows no mean "
         "gradient, the weights after each update are compared"))
-    spec = plan.Spec.from_config(tiny_config(*mesh, *SGD, *stream, *numerics.REAL_UPDATES),
+    spec = plan.Spec.from_config(tiny_config(*mesh, *SGD, *stream),
                                  8).with_(device_kind="cpu")
     rows_ = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
         got.text, got.setup.placement.mesh, plan.branch_share(spec)))

@@ -95,7 +95,7 @@ def test_fsdp_with_collective_matmul_matches_one_device_and_the_formula():
              "model.n_kv_heads=4", CM)
     got = numerics.run(plan_)
     numerics.assert_matches(got, numerics.one_device("model.n_kv_heads=4"), numerics.FP32)
-    cfg = tiny_config(*plan_, *numerics.REAL_UPDATES)
+    cfg = tiny_config(*plan_)
     spec = plan.Spec.from_config(cfg, 8).with_(device_kind="cpu")
     rows = inspect.theory_vs_census(plan.collectives(spec),
                                     inspect.census(got.text, got.setup.placement.mesh))
@@ -117,7 +117,7 @@ def test_qat_operands_through_the_rings_match_one_device_and_the_formula(method)
         got, numerics.one_device("model.n_kv_heads=4", f"plan.qat={method}"),
         {"int8": numerics.QAT_INT8, "fp8": numerics.QAT_FP8}[method])
     print(f"{method} QAT through the rings vs one device: {worst}")     # docs/overlap.md
-    cfg = tiny_config(*plan_, *numerics.REAL_UPDATES)
+    cfg = tiny_config(*plan_)
     spec = plan.Spec.from_config(cfg, 8).with_(device_kind="cpu")
     rows = inspect.theory_vs_census(plan.collectives(spec),
                                     inspect.census(got.text, got.setup.placement.mesh))

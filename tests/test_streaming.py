@@ -268,7 +268,11 @@ def test_packed_batches_train_through_the_step_and_the_pipeline(prepared):
 def test_a_streamed_run_resumes_from_the_data_state_in_its_checkpoint(prepared, tmp_path,
                                                                       monkeypatch):
     """The checkpoint holds the stream's position: a resumed run reads no batch twice (no replay
-    of the stream) and its losses are the uninterrupted run's, bitwise."""
+    of the stream) and its losses are the uninterrupted run's, bitwise; resumed under another
+    data layout (dp2 x fsdp4: the global batch cut another way) it reads the same batches once
+    each, its losses the uninterrupted run's in another reduction order."""
+    import shutil
+
     from jaxscale.analysis.validation import tiny_config
     from jaxscale.train import loop
     from jaxscale.train.metrics import read_metrics
@@ -283,12 +287,18 @@ def test_a_streamed_run_resumes_from_the_data_state_in_its_checkpoint(prepared, 
     loop.train(tiny_config(*common, "train.steps=3"), tmp_path / "b", progress=False)
     meta = json.loads((tmp_path / "b" / "checkpoints" / "3" / "meta" / "metadata").read_text())
     assert meta["data_state"]["step"] == 3 and meta["data_position"] == 3
-    taken.clear()
-    summary = loop.train(tiny_config(*common, "train.steps=6"), tmp_path / "b", progress=False,
-                         resume=True)
-    assert taken == ["train"] * 3 and summary["data_position"] == 6      # steps 4-6, no replay
-    a, b = (read_metrics(tmp_path / x / "metrics.jsonl") for x in "ab")
-    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    for run, mesh in (("b", ()), ("c", ("mesh.dp=2", "mesh.fsdp=4"))):
+        taken.clear()
+        summary = loop.train(tiny_config(*common, *mesh, "train.steps=6"), tmp_path / run,
+                             progress=False, resume=True)
+        assert taken == ["train"] * 3 and summary["data_position"] == 6  # steps 4-6, no replay
+        got = [r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+        if run == "b":
+            assert got == [r["loss"] for r in a]
+        else:
+            np.testing.assert_allclose(got, [r["loss"] for r in a], rtol=1e-5)
 
 
 def test_bad_inputs_are_reported_before_training(prepared, corpus, tmp_path):

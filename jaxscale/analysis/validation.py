@@ -71,13 +71,15 @@ def format_comparison(cmp: dict) -> str:
 # ----------------------------------------------------------------------------- the validation set
 def tiny_config(*overrides: str, **model_kw):
     """The tiny LLaMA (2 layers, seq 32, batch 8) on the 8 simulated CPU devices (`cpu8`), with
-    `--set`-style overrides: what the tests and the validation compile."""
+    `--set`-style overrides: what the tests and the validation compile. Its optimizer takes a
+    real AdamW update from the first step (no warm-up from learning rate 0; the decay is 1000
+    steps long), so a step that claims to train moves the weights."""
     from jaxscale import meshes, models
     from jaxscale.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
     model = dataclasses.replace(models.get("tiny"), n_layers=2, **model_kw)
     cfg = Config(name="test", model=model, mesh=meshes.get("cpu8"),
                  data=DataConfig(seq_len=32, batch_size=8, max_bytes=400_000),
-                 optim=OptimConfig(lr=1e-3, warmup_steps=2),
+                 optim=OptimConfig(lr=1e-3, warmup_steps=0, decay_steps=1000),
                  train=TrainConfig(steps=3, eval_every=0))
     return apply_overrides(cfg, list(overrides))
 

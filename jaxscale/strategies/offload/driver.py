@@ -116,7 +116,9 @@ class Step:
         r0 = self.store.bytes_read
         sh = jax.tree.leaves(self.ctx.host_sh.opt_state) + (
             jax.tree.leaves(self.ctx.host_sh.master) if self.mixed else [])
-        vals = [jax.device_put(self.store.read(k), s) for k, s in enumerate(sh)]
+        # a copy: on CPU `device_put` may alias a numpy buffer, and the RAM store updates its
+        # arrays in place: the state returned (a checkpoint's) must not change with later steps
+        vals = [jax.device_put(np.array(self.store.read(k)), s) for k, s in enumerate(sh)]
         self.store.bytes_read = r0                  # not the step's traffic
         opt = jax.tree.unflatten(self.opt_def, vals[:self.n_opt])
         master = (jax.tree.unflatten(jax.tree.structure(self.ctx.model.abstract_params),
