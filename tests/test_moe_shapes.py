@@ -3,6 +3,7 @@ census against the routed volume, no worst-case buffer, the ragged all-to-all lo
 fine-grained and shared experts with auxiliary-loss-free (bias) balancing against one device on
 expert, tensor and sequence parallel layouts, the bias's update rule, bad input.
 (models/moe.py, jaxscale/strategies/ep/)"""
+import dataclasses
 import math
 import re
 
@@ -37,21 +38,44 @@ def test_fine_grained_shared_biased_experts_match_one_device(layout, deepseek_on
     base.assert_close(base.loss_and_grads(base.setup_of(*mesh, *DEEPSEEK)), deepseek_one_device)
 
 
+def _with_bias(state, bias):
+    """`state` with every layer's routing bias set to `bias` [L, E]."""
+    mlp = state.params["layers"]["mlp"]
+    at = jax.numpy.asarray(bias, mlp["router_bias"].dtype)
+    params = {**state.params, "layers": {**state.params["layers"], "mlp": {
+        **mlp, "router_bias": jax.device_put(at, mlp["router_bias"].sharding)}}}
+    return dataclasses.replace(state, params=params)
+
+
 def test_routing_bias_steps_by_the_sign_of_the_load():
-    """One update moves each layer's bias by rate x sign(mean load - load) (DeepSeek-V3's
-    rule), the load being the share of assignments each expert received on that batch; the
-    bias chooses the experts but does not weight them, so the first step's loss is unchanged."""
+    """The bias chooses the experts, does not weight them, and steps by the load (DeepSeek-V3).
+    From a bias of +1 on experts 0 and 1 (a probability is below 1, so they win every token's
+    top-2): every layer's load is [1/2, 1/2, 0, ...], and one update moves the bias by rate x
+    sign(mean load - load): -rate on those two, +rate on the others. The loss differs from the
+    unbiased model's (the bias changed the routing; the tiny model's initial experts move it
+    little: 1.2e-5 of it), while a bias equal on every expert (the same choices) leaves the loss
+    and the router's gradient unchanged: the chosen experts are weighted by their probabilities
+    alone (weights from probability + bias would change the router's gradient several-fold)."""
     setup = base.setup_of(*MESH_1, *DEEPSEEK, devices=jax.devices()[:1])
-    share = base.forward_stats(setup, setup.init_state().params)["expert_share"]   # [L, E]
-    state, metrics = setup.train_step(setup.init_state(), base.batch_for(setup))
+    L, E = setup.init_state().params["layers"]["mlp"]["router_bias"].shape
+    forced = np.zeros((L, E), np.float32)
+    forced[:, :2] = 1.0
+    share = base.forward_stats(setup, _with_bias(setup.init_state(), forced).params)
+    np.testing.assert_array_equal(share["expert_share"], [[0.5, 0.5] + [0.0] * (E - 2)] * L)
+    state, metrics = setup.train_step(_with_bias(setup.init_state(), forced),
+                                      base.batch_for(setup))
     got = np.asarray(state.params["layers"]["mlp"]["router_bias"])
-    want = 0.01 * np.sign(share.mean(-1, keepdims=True) - share)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert np.abs(want).sum() > 0
+    np.testing.assert_allclose(got, forced + 0.01 * np.array([-1, -1] + [1] * (E - 2)),
+                               rtol=1e-6)
     unbiased = base.setup_of(*MESH_1, *DEEPSEEK[:2], "model.moe_aux_weight=0", *base.DROPLESS,
                              devices=jax.devices()[:1])
-    np.testing.assert_allclose(float(metrics["loss"]),
-                               base.loss_and_grads(unbiased)[0], rtol=1e-6)
+    loss, grads = base.loss_and_grads(unbiased)
+    assert abs(float(metrics["loss"]) - loss) > 5e-6 * loss       # measured 1.2e-5
+    even = np.full((L, E), 0.5, np.float32)
+    even_loss, even_grads = base.loss_and_grads(setup, _with_bias(setup.init_state(), even))
+    np.testing.assert_allclose(even_loss, loss, rtol=1e-6)          # measured 0
+    router = [np.asarray(g["layers"]["mlp"]["router"]) for g in (even_grads, grads)]
+    assert np.abs(router[0] - router[1]).max() <= 1e-5 * np.abs(router[1]).max()
 
 
 def test_preset_counts_its_parameters():

@@ -6,14 +6,18 @@ one reduce-scatter of the accumulated gradient, each stage its own layers), and 
 family against one device over 3 real AdamW updates (`tests/numerics.py`, fp32 1e-5 of each
 leaf's largest gradient unless the method says otherwise), its census equal to the plan's
 formula row by row, its matmul FLOPs to the planner's, and its compiled temporaries within 10%
-of the planner's (one compile per family: `train_temp`)."""
+of the planner's (one compile per family: `train_temp`). Context parallelism inside a stage is
+also read op by op from the compiled step (`tests/stage_hlo.py`): each stage's forward and
+backward exchange the K/V blocks (ring) or the heads (Ulysses) over sp, by hand from the
+shapes, and never gather the whole sequence."""
 import jax
 import numpy as np
 import pytest
 
 from jaxscale import plan, planner
 from jaxscale.analysis import hlo, hlo_flops, inspect
-from tests import numerics
+from jaxscale.strategies.pp import program
+from tests import numerics, stage_hlo
 
 COMMON = ("model.n_layers=4", "plan.accumulate=2", "data.batch_size=8", "mesh.dp=1")
 FAMILIES = {   # name -> (model and plan overrides both runs share, the mesh of the pipeline,
@@ -90,6 +94,32 @@ def test_family_matches_one_device_and_its_formulas(family):
     if family == CHECKED:
         assert temp == inspect.report(cfg)["memory"]["temp"], family
     assert pred.memory.xla["temp"] == pytest.approx(temp, rel=memory), family
+    if cfg.mesh.sp > 1:
+        for key, op in stage_hlo.branches(got.text, got.setup.placement.mesh,
+                                          program.program_for(spec)).items():
+            want = _context_exchange(cfg, *key)
+            assert op.sent("all-to-all", ("sp",)) == want, (key, op.collectives)
+            assert op.sent("all-gather", ("sp",)) == (0, 0), (key, op.collectives)
     if "offload" in family:         # the moments in host memory between steps
         host = [x for x in jax.tree.leaves(got.setup.abstract_state().opt_state) if x.ndim]
         assert host and all(x.sharding.memory_kind == "pinned_host" for x in host)
+
+
+def _context_exchange(cfg, kind, row0, n, first, last) -> tuple[int, int]:
+    """(all-to-alls, bytes) over sp of one run of a stage op of n layers on one device, by hand
+    from the shapes: b sequences of the micro-batch per device, T / sp of each sequence's
+    tokens, H / tp query and KV / tp kv heads of hd. Ring: each layer's forward passes its K/V
+    block (2 x b x T/sp x KV/tp x hd floats) to the next of the sp devices, sp - 1 hops; the
+    backward the K/V block again and its gradient. Inside the pipeline's switch a permute runs
+    as an all-to-all whose result holds a block for each of the sp devices (`axes.permute`).
+    Ulysses: q, k, v to head-sharded and the output back, 4 all-to-alls per layer forward of
+    their own size, and their 4 transposes backward."""
+    m, sp, tp = cfg.model, cfg.mesh.sp, cfg.mesh.tp
+    b = cfg.data.batch_size // cfg.plan.accumulate // (cfg.mesh.dp * cfg.mesh.fsdp)
+    tokens, hd = b * cfg.data.seq_len // sp, m.dim // m.n_heads
+    if cfg.plan.context == "ring":
+        block = 2 * tokens * m.n_kv_heads // tp * hd * 4
+        hops = n * (sp - 1) * (1 if kind == "F" else 2)
+        return hops, hops * sp * block
+    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // tp * hd * 4
+    return 4 * n, n * qkvo

@@ -2,20 +2,26 @@
 strategies that change what a stage computes: uneven stages (3+1 and 2+3 layers) and mixtures
 of experts over ep (dropping and dropless) against one device, local SGD's replicas made of
 pipelines against the same replicas without one, checkpoints restored under another stage
-layout, schedule and pp, and the default layout `auto` on published shapes."""
+layout, schedule and pp, and the default layout `auto` on published shapes. Each family also
+runs what its mechanism says, read from the compiled step op by op (`tests/stage_hlo.py`) and
+set beside values derived by hand from the shapes: a shorter stage computes its real layers
+only, ZB-H1's W the weight gradients B left out, and the experts inside a stage live E / ep to
+a device and exchange their tokens over ep."""
+import math
+
 import jax
 import numpy as np
 import pytest
 
 from jaxscale import plan
 from jaxscale.data import Batches, load_corpus
-from jaxscale.strategies.pp import stages
+from jaxscale.strategies.pp import program, stages
 from jaxscale.strategies.pp.schedules import loop_placement, v_placement
 from jaxscale.train import checkpoint as ckpt_lib
 from jaxscale.train import checkpoint_meta as ckpt_meta
 from jaxscale.train import disk
 from jaxscale.train.setup import build
-from tests import numerics
+from tests import numerics, stage_hlo
 from tests.helpers import tiny_config
 
 MOE = ("model.n_layers=4", "plan.accumulate=2", "data.batch_size=16", "model.moe_experts=4",
@@ -56,6 +62,72 @@ def test_stage_family_matches_one_device(case):
         params = jax.device_get(got.setup.init_state().params)["layers"]["attn"]["wq"]
         assert not np.any(params[padding]) and np.all(np.any(params[[i for i in range(
             len(order)) if i not in padding]], axis=(1, 2, 3)))
+    ops = stage_hlo.branches(got.text, got.setup.placement.mesh,
+                             program.program_for(got.setup.placement.spec))
+    assert {key[0] for key in ops} == ({"F", "B", "W"} if "ZB" in case else {"F", "B"})
+    for key, op in ops.items():
+        if case.startswith("uneven"):
+            want = _stage_flops(got.setup.cfg, *key)
+            assert op.flops == want, f"{key}: {op.flops:.0f} matmul FLOPs, {want} by hand"
+        else:
+            _assert_experts_inside(got.setup.cfg, key, op)
+
+
+def _stage_flops(cfg, kind, row0, rows, first, last) -> float:
+    """One run of a stage op's matmul FLOPs on one device, by hand from the shapes (pp x fsdp:
+    each device computes its rows of the micro-batch, the weights gathered whole). Per layer:
+    the weight matmuls, 2 x tokens x (q, k, v, o, gate, up, down weights), forward; their
+    input gradients as many in B, their weight gradients as many in W (in B when the backward
+    is not split); the attention's QK^T and PV over whole [T, T] squares, 2 matmuls forward and
+    4 backward. The last stage's F also runs the head forward and backward (3 matmuls of tokens
+    x dim x vocab), the first stage's B the embedding's gradient (a [vocab, tokens] x [tokens,
+    dim] matmul). Only the stage's real layers count, as `plan.stage_layers` gives them (not the
+    `rows` the engine's branch names): a shorter stage's block is padded to the longest's, and
+    its padding rows are not computed."""
+    m, T = cfg.model, cfg.data.seq_len
+    counts = [int(c) for c in cfg.plan.stage_layers.split(",")]     # two stages: first, last
+    assert len(counts) == 2 and first != last
+    n = counts[0] if first else counts[1]
+    seqs = cfg.data.batch_size // cfg.plan.accumulate // (cfg.mesh.dp * cfg.mesh.fsdp)
+    hd = m.dim // m.n_heads
+    weights = m.dim * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * m.dim \
+        + 3 * m.dim * m.ffn_dim
+    w = 2 * seqs * T * weights
+    attn = 2 * 2 * seqs * m.n_heads * T * T * hd
+    vocab = 2 * seqs * T * m.dim * m.vocab_size
+    split = cfg.plan.schedule == "zb-h1"
+    if kind == "F":
+        return n * (w + attn) + (3 * vocab if last else 0)
+    if kind == "B":
+        return n * (w + 2 * attn + (0 if split else w)) + (vocab if first else 0)
+    return n * w
+
+
+def _assert_experts_inside(cfg, key, op):
+    """Inside a stage the experts live E / ep to a device and the tokens travel to them over ep:
+    one run of F or B on a stage of n MoE layers sends the all-to-alls derived here by hand, and
+    its expert weight gradients are [E / ep, dim, ffn / tp] (and [E / ep, ffn / tp, dim]).
+
+    Capacity mode: each device's [E, b, C, dim] slot buffer (b sequences per device, C =
+    ceil(1.25 x T x top-k / E) slots per expert), sent out and back: 2 per layer in F and 2 in
+    B. Dropless: S = ceil(2 x b T k / ep) rows per peer (`plan.moe_buffer` 2, at most b T k),
+    an [ep, S, dim] block out and back, after the [ep, E / ep] int32 counts in F: 3 per layer
+    in F, 2 in B."""
+    kind, m, mesh, T = key[0], cfg.model, cfg.mesh, cfg.data.seq_len
+    n = m.n_layers // mesh.pp                       # even stages: each its share of the layers
+    E, k, ep, D, ffn = m.moe_experts, m.moe_top_k, mesh.ep, m.dim, m.ffn_dim // mesh.tp
+    b = cfg.data.batch_size // cfg.plan.accumulate // (mesh.dp * mesh.fsdp * ep)
+    if m.moe_dropless:
+        S = min(b * T * k, math.ceil(2.0 * b * T * k / ep))
+        block = ep * S * D * 4
+        want = (3 * n, n * (E * 4 + 2 * block)) if kind == "F" else (2 * n, 2 * n * block)
+    else:
+        C = math.ceil(1.25 * T * k / E)
+        want = (2 * n, 2 * n * E * b * C * D * 4)
+    assert op.sent("all-to-all", ("ep",)) == want, (key, op.collectives)
+    if kind == "B":
+        grads = {d[0] for d in op.dots if len(d[0]) == 3 and d[0][1:] in ((D, ffn), (ffn, D))}
+        assert grads == {(E // ep, D, ffn), (E // ep, ffn, D)}, (key, grads)
 
 
 def test_local_sgd_replicas_can_be_pipelines():
@@ -79,28 +151,47 @@ def _next_loss(setup, state, step: int) -> float:
     return float(total) / float(tokens)
 
 
+def _weights(setup, state) -> list[np.ndarray]:
+    """The parameters in the model's layer order at its true vocabulary, on the host."""
+    return [np.asarray(a) for a in jax.tree.leaves(jax.device_get(disk.to_disk(
+        state.params, setup.cfg.model.vocab_size, setup.layout.layer_order)))]
+
+
+def _moved(a, b, lr: float) -> float:
+    """The mean |a - b| over every weight, in learning rates."""
+    return float(np.concatenate([np.abs(x - y).ravel() for x, y in zip(a, b)]).mean() / lr)
+
+
 def _saved(setup, tmp_path):
-    """The state after one step under `setup`, saved as `train` saves it; and the next loss."""
+    """The state after one step under `setup`, saved as `train` saves it: (the next step's loss,
+    the saved weights). The step is a real AdamW update (warm-up 0): the weights moved from
+    their initial values by `numerics.MOVED["adamw"]` learning rates on average at least, so a
+    restore that loaded nothing (the initial weights) cannot pass for one that loaded them."""
     state = setup.init_state()
+    initial = _weights(setup, state)
     b = Batches(load_corpus(setup.cfg.data).train, setup.cfg.data.batch_size,
                 setup.cfg.data.seq_len, seed=0)
     state, _ = setup.train_step(state, b.device_batch(0, setup.batch_shardings()))
+    trained = _weights(setup, state)
+    assert _moved(trained, initial, setup.cfg.optim.lr) >= numerics.MOVED["adamw"]
     keep = jax.tree.map(lambda a: a.copy(), state)
     kept = disk.to_disk(keep, setup.cfg.model.vocab_size, setup.layout.layer_order)
     ck = ckpt_lib.Checkpointer(tmp_path, setup.cfg.ckpt)
     ck.save(1, kept, ckpt_meta.make_meta(setup.cfg, kept, 1))
     ck.wait()
     ck.close()
-    return _next_loss(setup, state, 1)
+    return _next_loss(setup, state, 1), trained
 
 
-def _restored_loss(overrides, tmp_path):
+def _restored(overrides, tmp_path):
+    """(the next step's loss, the restored weights, the same plan's initial weights)."""
     cfg = tiny_config(*overrides)
     setup = build(cfg, donate=False)
     _, state, meta, _ = ckpt_lib.restore_latest(tmp_path, cfg.ckpt, cfg, setup.abstract_state(),
                                                 setup.layout.layer_order)
     assert meta["step"] == 1
-    return _next_loss(setup, state, 1)
+    return (_next_loss(setup, state, 1), _weights(setup, state),
+            _weights(setup, setup.init_state()))
 
 
 @pytest.mark.parametrize("source,targets", [
@@ -112,15 +203,18 @@ def _restored_loss(overrides, tmp_path):
       ("mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.schedule=zb-v", "plan.accumulate=4")]),
 ])
 def test_a_checkpoint_restores_under_another_layout(source, targets, tmp_path):
-    """Written under one layout (pp2 x sp2; uneven 3+1 stages) after a step, restored at pp1 and
-    pp4 (an even layout and ZB-V's V): the next step's loss is the same (fp32 in another
-    order)."""
+    """Written under one layout (pp2 x sp2; uneven 3+1 stages) after a real update, restored at
+    pp1 and pp4 (an even layout and ZB-V's V): the restored weights are the saved ones bit for
+    bit (in the model's order), as far from the target's own initial weights as the update moved
+    them, and the next step's loss is the same (fp32 in another order)."""
     common = ("model.n_layers=4", "data.batch_size=8", "mesh.dp=1", "plan.accumulate=2")
     src = build(tiny_config(*common, *source), donate=False)
-    want = _saved(src, tmp_path)
+    want, trained = _saved(src, tmp_path)
     for target in targets:
-        assert _restored_loss((*common, *target), tmp_path) == pytest.approx(want, rel=1e-5), \
-            target
+        loss, restored, initial = _restored((*common, *target), tmp_path)
+        assert all(np.array_equal(a, b) for a, b in zip(restored, trained)), target
+        assert _moved(restored, initial, src.cfg.optim.lr) >= numerics.MOVED["adamw"], target
+        assert loss == pytest.approx(want, rel=1e-5), target
 
 
 # ----------------------------------------------------------------------------- layouts
