@@ -1,5 +1,6 @@
-"""The suite's own rules: a skipped test fails the session (`tests/conftest.py`, `ZeroSkips`),
-with the suite's pytest-xdist setup and in one process, and the message names the test."""
+"""The suite's own rules: a skipped test and an expected failure (`xfail`) fail the session
+(`tests/conftest.py`, `ZeroSkips`), with the suite's pytest-xdist setup and in one process, and
+the message names the test."""
 import os
 import subprocess
 import sys
@@ -15,21 +16,22 @@ import pytest
 def test_runs():
     assert 1 + 1 == 2
 
-
+{mark}
 def test_left_out():
     {test}
 """
 XDIST = ("-n", "2", "--dist", "loadfile")          # the suite's distribution (pyproject.toml)
 
 
-def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass"):
+def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass", mark: str = ""):
     """pytest run in a subprocess on a directory holding the zero-skip part of tests/conftest.py
     (without the JAX setup above it, which each xdist worker would import) and one test file:
-    `module` at its top, `test` the body of its second test."""
+    `module` at its top, `test` the body of its second test and `mark` its decorator."""
     source = CONFTEST.read_text()
     (tmp_path / "conftest.py").write_text("import pytest\n\n\n" +
                                           source[source.index("class ZeroSkips"):])
-    (tmp_path / "test_policy_case.py").write_text(BODY.format(module=module, test=test))
+    (tmp_path / "test_policy_case.py").write_text(BODY.format(module=module, test=test,
+                                                              mark=mark))
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "XDIST_"))}   # not this session's worker settings
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"          # seconds each: only xdist is needed
@@ -44,7 +46,7 @@ def test_a_skipped_test_fails_the_session_and_is_named(tmp_path, args):
     rc, out = _pytest(tmp_path, *args, test='pytest.skip("no reason to run")')
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert "1 passed, 1 skipped" in out, out                     # nothing failed by itself
-    assert "1 skipped, and every test must run" in out, out
+    assert "1 skipped, and every test must run and pass" in out, out
     assert "SKIPPED test_policy_case.py::test_left_out: no reason to run" in out, out
 
 
@@ -58,3 +60,40 @@ def test_the_same_file_without_the_skip_passes(tmp_path):
     rc, out = _pytest(tmp_path, *XDIST)
     assert rc == pytest.ExitCode.OK, out
     assert "2 passed" in out and "skipped" not in out, out
+
+
+KNOWN = '@pytest.mark.xfail(reason="a known bug")'
+
+
+@pytest.mark.parametrize("args", [XDIST, ("-n", "0")], ids=["xdist", "one-process"])
+def test_an_expected_failure_fails_the_session_and_is_named(tmp_path, args):
+    rc, out = _pytest(tmp_path, *args, mark=KNOWN, test="assert 1 + 1 == 3")
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 passed, 1 xfailed" in out, out                     # nothing failed by itself
+    assert "1 expected to fail (xfail), and every test must run and pass" in out, out
+    assert "XFAIL test_policy_case.py::test_left_out: a known bug" in out, out
+
+
+@pytest.mark.parametrize("mark,test,named", [
+    (KNOWN, "pass", "XPASS test_policy_case.py::test_left_out: a known bug"),
+    ("", 'pytest.xfail("not on Tuesdays")', "XFAIL test_policy_case.py::test_left_out: not on "
+                                            "Tuesdays")], ids=["xpass", "xfail-call"])
+def test_an_unexpected_pass_and_an_xfail_call_fail_the_session_too(tmp_path, mark, test, named):
+    rc, out = _pytest(tmp_path, *XDIST, mark=mark, test=test)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert named in out, out
+
+
+def test_every_break_applies_names_real_tests_and_is_listed_in_the_readme():
+    """`tests/breaks.py`'s fallbacks stay runnable: each one's text occurs once in the library
+    (a refactor that moves it must move the break), each test it names exists, and
+    `tests/README.md` holds the table they make (`python -m tests.breaks --markdown`)."""
+    from tests import breaks
+    root = Path(__file__).resolve().parents[1]
+    for b in breaks.BREAKS:
+        assert (root / b.file).read_text().count(b.old) == 1, b.name
+        for node in b.tests:
+            path, _, name = node.partition("::")
+            assert f"def {name.split('[')[0]}(" in (root / path).read_text(), (b.name, node)
+    assert breaks.markdown() in Path(__file__).with_name("README.md").read_text(), (
+        "tests/README.md's table of breaks is stale: python -m tests.breaks --markdown")
