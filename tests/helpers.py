@@ -1,10 +1,8 @@
 """Shared test builders: small configs on the simulated 8-device CPU."""
 import os
 
+from jaxscale.analysis.harness import MESH_1  # noqa: F401  (one device)
 from jaxscale.analysis.validation import PLANS, tiny_config  # noqa: F401  (the validation set)
-
-MESH_1 = ("mesh.dp=1", "mesh.fsdp=1", "mesh.tp=1")
-
 
 #: `--set` flags for a small CLI run (subprocess tests): real updates from the first step (no
 #: warm-up from lr 0), and an lr that does not depend on train.steps.
