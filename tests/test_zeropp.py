@@ -115,6 +115,47 @@ def test_part_tracks_one_device_and_its_census_is_the_formula(part, one_device):
         assert a2a[("fsdp",)] == pytest.approx(4 * a2a[("dp",)])
 
 
+#: odd shapes: dim 96 (6 heads of 16 over 2 kv heads), ffn 224, 5 layers, a prime vocabulary
+ODD = ("model.dim=96", "model.n_heads=6", "model.n_kv_heads=2", "model.ffn_dim=224",
+       "model.n_layers=5", "model.vocab_size=509", "data.seq_len=64")
+#: qgZ's int4 rows by hand (each row of a shard's last dimension in blocks of at most 256, as
+#: many as needed, of equal even size, zero-padded): bytes per row of the payload and scales,
+#: rows per layer, on dp2 x fsdp4 (8 gather devices): wq 96 x 6 rows of 16 (8 + 4 bytes), wk
+#: and wv 96 x 2 of 16, wo and w_down gathered on their last dimension: rows of 96 / 8 = 12 (6 + 4)
+#: from 6 x 16 x 8 and 224 x 8 rows, w_gate and w_up 96 rows of 224 (112 + 4); the LM head 96
+#: rows of 509, sent as 512 in two blocks of 256 (256 + 8)
+ODD_ROWS = {(8, 4): 96 * 6 + 2 * 96 * 2, (6, 4): 6 * 16 * 8 + 224 * 8, (112, 4): 2 * 96}
+ODD_HEAD = (96 * 256, 96 * 8)
+
+
+@pytest.mark.parametrize("overrides", [
+    (*HYBRID, "plan.zeropp=all"),
+    ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.zero=3", "plan.zeropp=qwz+qgz"),
+], ids=["all dp2 x fsdp4", "qwz+qgz dp2 x fsdp2 x tp2"])
+def test_int4_qgz_runs_on_an_odd_vocabulary(overrides, one_device_odd):
+    """The vocabulary of 509 (510 over tp2: rows of 255 per shard): every quantised row padded
+    to whole even blocks (the LM head's 509 as 512, 255 as 256), int4 gradients and int8
+    weights; within ZeRO++'s tolerance of one device, the census the formula, and (dp2 x fsdp4)
+    qgZ's int4 payload and scales by hand from the shapes."""
+    errs = plan.problems(plan.Spec.from_config(tiny_config(*ODD, *overrides)))
+    assert not errs, errs
+    got = numerics.run((*ODD, *overrides))
+    numerics.assert_matches(got, one_device_odd, TOLERANCE["all"])
+    _census_is_formula(got.setup)
+    if "mesh.fsdp=4" in overrides:
+        by_dtype = _by_dtype(got.text, got.setup.placement.mesh)
+        payload = 5 * sum(p * r for (p, _), r in ODD_ROWS.items()) + ODD_HEAD[0]
+        scales = 5 * sum(s * r for (_, s), r in ODD_ROWS.items()) + ODD_HEAD[1]
+        assert by_dtype[("all-to-all", ("fsdp",), "u8")] == payload
+        assert by_dtype[("all-to-all", ("dp",), "u8")] == payload / 4
+        assert by_dtype[("all-to-all", ("fsdp",), "f32")] == scales
+
+
+@pytest.fixture(scope="module")
+def one_device_odd():
+    return numerics.one_device(*ODD)
+
+
 @pytest.mark.parametrize("overrides", [
     ("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "mesh.pp=2", "plan.accumulate=2"),
     ("mesh.dp=1", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=2"),
@@ -133,9 +174,10 @@ def test_quantised_parts_compose(overrides, one_device):
 
 def test_qwz_halves_the_gathers_of_16_bit_weights():
     """bf16 weights, dim 256 (4 heads of 64, ffn 384): qwZ's forward gathers are int8 payloads
-    plus a 4-byte scale per block, the block the largest divisor (up to 256) of the shard's last
-    dimension: 64 for wq, wk, wv (heads of 64), 32 for wo and w_down (256 over 8 devices), 192
-    for w_gate and w_up (384), 160 for the LM head (320): derived here by hand."""
+    plus a 4-byte scale per block, as many equal blocks of at most 256 as the shard's last
+    dimension needs: 64 for wq, wk, wv (heads of 64), 32 for wo and w_down (256 over 8
+    devices), 192 for w_gate and w_up (384), 160 for the LM head (320), none padded: derived
+    here by hand."""
     layer = {64: 3 * 256 * 256, 32: 256 * 256 + 384 * 256, 192: 2 * 256 * 384}
     elems = 2 * sum(layer.values()) + 256 * 320
     scales = 2 * sum(4 * n / b for b, n in layer.items()) + 4 * 256 * 320 / 160
@@ -213,6 +255,30 @@ def test_codec_rounds_to_half_a_level(method, levels):
     err = np.abs(np.asarray(decode(method, payload, scale)) - np.asarray(x))
     bound = np.abs(np.asarray(x)).max(-1, keepdims=True) / levels / 2
     assert (err <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("n, even, block, padded", [
+    (509, True, 256, 512), (509, False, 255, 510), (255, True, 256, 256), (384, False, 192, 384),
+    (96, True, 96, 96), (7, True, 8, 8), (257, False, 129, 258)])
+def test_every_row_is_whole_blocks_and_the_padding_is_cut(n, even, block, padded):
+    """Any row length quantises: as many blocks of at most 256 as it needs, of equal (int4: even)
+    size, the row zero-padded; each of a row's pieces (its tp shards) on its own; dequantised,
+    the padding cut and every value within half a level of its block's largest."""
+    from jaxscale.strategies.common import block_size
+    from jaxscale.strategies.zeropp import padded_row
+    from jaxscale.strategies.zeropp.gathers import dequantise, quantise
+    assert (block_size(n, 256, even), padded_row(n, 256, even)) == (block, padded)
+    fmt, parts = ("int4", 7) if even else ("int8", 127), 2
+    x = np.random.default_rng(1).normal(size=(3, parts * n)).astype(np.float32)
+    payload, scales = quantise(jnp.asarray(x), fmt[0], block, parts)
+    assert scales.shape == (3, parts, padded // block)
+    assert payload.shape == (3, parts, padded // block, block // (2 if even else 1))
+    y = np.asarray(dequantise(payload, scales, fmt[0], x.shape, jnp.float32, n))
+    rows = np.pad(x.reshape(3, parts, n), ((0, 0), (0, 0), (0, padded - n)))
+    top = np.abs(rows).reshape(3, parts, -1, block).max(-1, keepdims=True)
+    bound = np.broadcast_to(top / fmt[1] / 2, (3, parts, padded // block, block))
+    bound = bound.reshape(3, parts, padded)[..., :n].reshape(x.shape)
+    assert (np.abs(y - x) <= bound * (1 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("overrides, message", [

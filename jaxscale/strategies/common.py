@@ -99,12 +99,18 @@ def parse_parts(value: str, valid: tuple[str, ...], key: str, example: str,
 
 
 def block_size(n: int, block: int, even: bool = False) -> int:
-    """The largest divisor of `n` (a shard's last dimension) not above `block`, even for int4's
-    packed pairs: a block never straddles two shards."""
-    for b in range(min(block, n), 0, -1):
-        if n % b == 0 and (not even or b % 2 == 0):
-            return b
-    raise ValueError(f"no even block divides a shard's last dimension {n}: int4 packs pairs")
+    """The block of a row of `n` elements (a shard's last dimension) quantised in blocks of at
+    most `block`: ceil(n / block) blocks of equal size, ceil(n / blocks), rounded up to even for
+    int4's packed pairs. The row is zero-padded to whole blocks (`zeropp.padded_row`), so every
+    length has one: under one element of padding per block (two with int4), and the block is the
+    largest divisor of n not above `block` wherever that gives as few blocks (96 over 256: 96;
+    384: 192; 509: 255, or 256 for int4, padded to 510 and 512). A block never straddles two
+    rows or two shards."""
+    if n < 1 or block < 1:
+        raise ValueError(f"a quantised row needs n >= 1 elements and block >= 1, got n={n}, "
+                         f"block={block}")
+    b = -(-n // -(-n // block))
+    return b + (b % 2 if even else 0)
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -7,8 +7,9 @@ in the census's convention (`bytes`: all-reduce buffer, all-gather output, all-t
 `inspect.census` of a compiled step equals it row by row (PowerSGD's rows are
 `powersgd_collectives`). `wire_bytes` is what each device puts on its link per step with ring
 collectives (the "link bytes/device" column of the table in `methods`), `payload_bytes` the
-compressed gradient one device contributes. The bucket is padded to a multiple of N*B
-(`padded_size`) and the padding is counted: it is on the wire.
+compressed gradient one device contributes. In the block-scaled bucket each leaf starts a new
+block (its values never share a scale with another leaf's) and the whole is padded to a multiple
+of N*B (`bucket_size`); the padding is counted: it is on the wire.
 """
 from __future__ import annotations
 
@@ -49,6 +50,23 @@ def padded_size(size: int, n: int, block: int, pad: bool = True, what: str = "bl
                          f"{size} elements; pick a block so that N*block divides it, or pass "
                          f"pad=True (zero-pads {(-size) % m} elements, sent on the wire)")
     return size + (-size) % m
+
+
+def bucket_size(shapes, n: int, block: int, pad: bool = True) -> int:
+    """Elements of the block-scaled bucket of these leaf `shapes` over `n` devices: each leaf
+    zero-padded to whole blocks (a block's scale is its own leaf's largest value, never a larger
+    leaf's: a norm scale's gradient would otherwise round to a bigger neighbour's levels), the
+    whole to a multiple of n * block (each device's shard is whole blocks). At most one block of
+    padding per leaf, and N-1 blocks at the end."""
+    sizes = [math.prod(s) for s in _shapes(shapes)]
+    aligned = sum(-(-s // block) * block for s in sizes)
+    if not pad and aligned != sum(sizes):
+        odd = next(s for s in sizes if s % block)
+        raise ValueError(f"block={block} does not divide a gradient leaf of {odd} elements (each "
+                         f"leaf is whole blocks); pick a block that divides every leaf, or pass "
+                         f"pad=True (zero-pads {aligned - sum(sizes)} elements, sent on the "
+                         f"wire)")
+    return padded_size(aligned, n, block, pad)
 
 
 def _check_block(method: str, block: int) -> None:
@@ -100,7 +118,7 @@ def collectives(method: str, shape, n_devices: int, axes=("dp",), **params) -> l
         return [c("all-gather", n * k * v, "top-k values"), c("all-gather", n * k * 4, "indices")]
     block = 1 if method == "bf16" else params.get("block", 256)
     _check_block(method, block)
-    lp = padded_size(size, n, block, params.get("pad", True))
+    lp = bucket_size(shapes, n, block, params.get("pad", True))
     per_elem = {"bf16": 2, "fp8": 1, "int8": 1, "sign": 1 / 8}[method]
     rows = [c("all-to-all", lp * per_elem, f"{method} shards"),
             c("all-gather", lp * per_elem, f"{method} mean")]
@@ -112,7 +130,8 @@ def collectives(method: str, shape, n_devices: int, axes=("dp",), **params) -> l
 
 def wire_bytes(method: str, shape, n_devices: int, **params) -> int:
     """Bytes each device puts on its link per step with bandwidth-optimal (ring) collectives:
-    the census's `wire_bytes` summed. fp32: 2(N-1)/N 4L; int8: 2(N-1)/N (L + 4L/B);
+    the census's `wire_bytes` summed. fp32: 2(N-1)/N 4L; int8: 2(N-1)/N (L + 4L/B), L the
+    bucket's elements (`bucket_size`: each leaf whole blocks, the whole N*B);
     top-k: (N-1) k (4 + v); PowerSGD: 2(N-1)/N (n + m) r 4."""
     return int(round(sum(c.wire_bytes for c in collectives(method, shape, n_devices, **params))))
 

@@ -4,7 +4,7 @@ Each function is called inside `jax.shard_map` with a device's local gradient (a
 pytree) and the data mesh axes (`("dp",)`, `("dp", "fsdp")`, ...), and returns the mean over
 those axes, identical on every device (replicated, `to='invarying'`). Methods with error feedback
 also take and return a per-device state. A pytree is flattened into one fp32 bucket first (one
-set of collectives per step, as DDP buckets do); PowerSGD
+set of collectives per step, as DDP buckets do), each leaf starting a new block; PowerSGD
 (`jaxscale.strategies.compression.powersgd`) works per matrix.
 
 ==========  =============================================  ==================  ===================
@@ -29,9 +29,14 @@ The alternative, all-gather the quantised gradients and reduce locally, is exact
 quantisation but sends (N-1) L bytes per device instead of 2(N-1)/N L: N/2 times more (4x at
 N = 8). The price of the two-stage form is a second quantisation of the mean (error counted
 above). `B` is the block: one fp32 scale (max|x| / 127 for int8, / 448 for fp8, mean|x| for
-sign) per B elements, sent beside the payload in both stages. The bucket is zero-padded to a
-multiple of N*B (`pad=False` refuses instead); the padding is on the wire and in
-`formulas.wire_bytes`.
+sign) per B elements, sent beside the payload in both stages. Each leaf is zero-padded to whole
+blocks, so that a block's scale is its own leaf's: a norm scale's gradient, a few thousandths of
+a matrix's, sharing a block with the matrix's values would round to the matrix's levels (to zero,
+or for sign to the matrix's magnitude), far outside its own bound. The bucket is then
+zero-padded to a multiple of N*B (each device's shard whole blocks). At most one block per leaf
+and N-1 at the end (`formulas.bucket_size`; `pad=False` refuses instead); the padding is on
+the wire and in `formulas.wire_bytes`; sign's padding (whose bit decodes to +scale) is zeroed
+before the mean's blocks are scaled.
 bf16 and fp8 travel bitcast to u16/u8: XLA:CPU widens bf16 collectives to f32 and f8 ones to f16
 (seen in the compiled HLO), which would hide the saving; the bitcast is exact and free.
 
@@ -62,8 +67,8 @@ from jaxscale.strategies.compression.formulas import (
     _check_block,
     _check_k,
     _check_method,
+    bucket_size,
     check_axes,
-    padded_size,
 )
 
 Axes = str | Sequence[str]
@@ -80,20 +85,24 @@ def axis_size(axes: tuple[str, ...]) -> int:
                          f"{axes}; call them from the shard_map body ({e})") from None
 
 
-def ravel(tree) -> tuple[jax.Array, Any]:
-    """Flatten a pytree into one fp32 vector; returns it and the function that undoes it."""
+def ravel(tree, block: int = 1) -> tuple[jax.Array, Any]:
+    """Flatten a pytree into one fp32 vector, each leaf zero-padded to a multiple of `block`
+    (so that a block of the bucket holds one leaf's values); returns it and the function that
+    undoes it (reading each leaf at its offset, whatever follows the last)."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         raise ValueError("nothing to reduce: the gradient pytree has no leaves")
     shapes = [(leaf.shape, leaf.dtype) for leaf in leaves]
-    flat = jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
+    pads = [(-math.prod(leaf.shape)) % block for leaf in leaves]
+    flat = jnp.concatenate([jnp.pad(jnp.ravel(leaf).astype(jnp.float32), (0, p))
+                            for leaf, p in zip(leaves, pads)])
 
     def unravel(v):
         out, o = [], 0
-        for shape, dtype in shapes:
+        for (shape, dtype), p in zip(shapes, pads):
             size = math.prod(shape)
             out.append(v[o:o + size].reshape(shape).astype(dtype))
-            o += size
+            o += size + p
         return jax.tree.unflatten(treedef, out)
     return flat, unravel
 
@@ -102,15 +111,21 @@ def invariant_all_gather(x, axes, **kw):
     return jax.lax.all_gather(x, axes, tiled=True, to="invarying", **kw)
 
 
-def _two_stage(method, flat, axes, n, block, server=None):
+def _two_stage(method, flat, axes, n, block, server=None, valid=None):
     """Quantised mean of a padded flat buffer [Lp]: all-to-all of the quantised shards, fp32
-    sum, requantise the mean shard, all-gather. Returns (mean [Lp], local decode [Lp], server)."""
+    sum, requantise the mean shard, all-gather. Returns (mean [Lp], local decode [Lp], server).
+    `valid` [Lp] (1 for a gradient's element, 0 for padding): zeroes the padding where the codec
+    decodes a zero to something else (sign: +scale), so that it stays out of the mean's scales."""
     blocks_NCB = flat.reshape(n, -1, block)                     # [device, block, element]
     payload, scale = encode(method, blocks_NCB)
     local = decode(method, payload, scale).reshape(-1)          # what this device sent
     payload = jax.lax.all_to_all(payload, axes, 0, 0)           # [j] = device j's copy of my shard
     scale = None if scale is None else jax.lax.all_to_all(scale, axes, 0, 0)
     shard_CB = jnp.sum(decode(method, payload, scale), axis=0) / n   # fp32 mean of my shard
+    if valid is not None:
+        local = local * valid
+        mine = valid.reshape(n, -1, block)[jax.lax.axis_index(axes)]
+        shard_CB = shard_CB * mine
     if server is not None:
         shard_CB = shard_CB + server.reshape(shard_CB.shape)
     payload, scale = encode(method, shard_CB)
@@ -140,10 +155,10 @@ def allreduce_cast(x, axes, dtype, *, block: int = 256, pad: bool = True):
     block = 1 if method == "bf16" else block
     _check_block(method, block)
     n = axis_size(axes)
-    flat, unravel = ravel(x)
-    lp = padded_size(flat.shape[0], n, block, pad)
+    lp = bucket_size([leaf.shape for leaf in jax.tree.leaves(x)], n, block, pad)
+    flat, unravel = ravel(x, block)                 # each leaf whole blocks
     mean, _, _ = _two_stage(method, jnp.pad(flat, (0, lp - flat.shape[0])), axes, n, block)
-    return unravel(mean[:flat.shape[0]])
+    return unravel(mean)
 
 
 def cast_method(dtype) -> str:
@@ -164,17 +179,17 @@ def sign_mean(x, state, axes, *, block: int = 256):
     _check_block("sign", block)
     n = axis_size(axes)
     residual, server = state
-    flat, unravel = ravel(x)
-    acc = flat + ravel(residual)[0]
-    lp = padded_size(acc.shape[0], n, block)
+    flat, unravel = ravel(x, block)                 # each leaf whole blocks
+    acc = flat + ravel(residual, block)[0]
+    lp = bucket_size([leaf.shape for leaf in jax.tree.leaves(x)], n, block)
     if server.shape != (lp // n,):
         raise ValueError(f"sign state's server residual has shape {server.shape}, expected "
                          f"({lp // n},) for {n} devices and block={block}: rebuild it with "
                          f"init_state('sign', grads, n_devices={n}, block={block})")
+    valid = ravel(jax.tree.map(jnp.ones_like, x), block)[0]
     mean, local, server = _two_stage("sign", jnp.pad(acc, (0, lp - acc.shape[0])), axes, n,
-                                     block, server)
-    size = acc.shape[0]
-    return unravel(mean[:size]), (unravel(acc - local[:size]), server)
+                                     block, server, jnp.pad(valid, (0, lp - valid.shape[0])))
+    return unravel(mean), (unravel(acc - local[:acc.shape[0]]), server)
 
 
 def topk_mean(x, residual, axes, k: int, *, value_dtype=jnp.float32, threshold=None):
@@ -251,8 +266,8 @@ def init_state(method: str, grads, n_devices: int, *, key=None, **params):
     if method == "sign":
         block = params.get("block", 256)
         _check_block("sign", block)
-        size = sum(math.prod(g.shape) for g in jax.tree.leaves(grads))
-        return zeros(grads), jnp.zeros((padded_size(size, n_devices, block) // n_devices,))
+        lp = bucket_size([g.shape for g in jax.tree.leaves(grads)], n_devices, block)
+        return zeros(grads), jnp.zeros((lp // n_devices,))
     if method == "powersgd":
         return powersgd.init(grads, params["rank"], key=jax.random.key(0) if key is None else key)
     return None

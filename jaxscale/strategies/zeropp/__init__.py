@@ -20,6 +20,13 @@
 `plan.fp8_param_gather` (under `plan.qat=fp8`, as Megatron's `--fp8-param-gather`): the gathers
 carry e4m3 blocks with their scales instead, about half of bf16's bytes.
 
+Blocks: along each shard's last dimension (a row), as many blocks of at most `plan.zeropp_block`
+as the row needs, of equal size (even for int4's pairs), the row zero-padded to whole blocks
+(`common.block_size`, `padded_row`): any shape and vocabulary quantises (the LM head's rows of
+509 travel as 510 in int8, 512 in int4; of 255 per tp2 shard, 256 in int4), the padding on the
+wire and in the formulas, under one element per block (two in int4); where the row has a divisor
+not above the block that gives as few blocks, that divisor, with no padding.
+
 Collectives per weight matmul and layer (E elements gathered, n_l node-local and n_c cross-node
 gather devices): forward all-gathers of the payload (and the scales) over the gather axes (hpZ:
 over the cross-node axes at E/n_l, then the node-local ones at E); backward the same again (hpZ:
@@ -148,18 +155,25 @@ def _gathered_dim(spec, leaf) -> int:
     return next(i for i, a in enumerate(leaf.axes) if a == "embed")
 
 
-def _wire(spec, leaf, fmt: str, block: int, even=False) -> tuple[float, float]:
-    """(bytes per element of the payload, of the scales) as `fmt` sends one of `leaf`'s
-    gathered elements."""
+def padded_row(n: int, block: int, even: bool = False) -> int:
+    """A quantised row of `n` elements zero-padded to whole blocks of `block_size(n, block,
+    even)` (the padding travels: an odd vocabulary's int4 row of 509 as 512)."""
+    b = block_size(n, block, even)
+    return -(-n // b) * b
+
+
+def _wire(spec, leaf, fmt: str, block: int, even=False) -> tuple[float, float, int]:
+    """(payload bytes, scale bytes, elements) of one row of `leaf`'s shard (its last dimension)
+    as `fmt` sends it: the row padded to whole blocks, one fp32 scale per block."""
     if fmt == "none":
-        return spec.wire_param_itemsize, 0.0
+        return spec.wire_param_itemsize, 0.0, 1
     d, shape = _gathered_dim(spec, leaf), leaf.local_shape(spec)
     # the shard's last dimension, whole over the gather axes unless it is the gathered one
-    last = (leaf.shape[-1] // math.prod(spec.deg(a) for a in gather_axes(spec))
-            if d == len(shape) - 1 else shape[-1])
-    b = block_size(int(last), block, even)
+    last = int(leaf.shape[-1] // math.prod(spec.deg(a) for a in gather_axes(spec))
+               if d == len(shape) - 1 else shape[-1])
+    padded = padded_row(last, block, even)
     per = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}[fmt]
-    return per, 4.0 / b
+    return per * padded, 4.0 * (padded // block_size(last, block, even)), last
 
 
 def collectives(spec) -> list[Comm]:
@@ -183,7 +197,8 @@ def collectives(spec) -> list[Comm]:
         reps = L * k if leaf.stacked else k
         # elements of one gathered weight (one layer's, for a stacked leaf)
         E = leaf.run_size(spec, drop=("fsdp",)) / (L if leaf.stacked else 1)
-        pb, sb = _wire(spec, leaf, wf, spec.zeropp_block)
+        pb, sb, row = _wire(spec, leaf, wf, spec.zeropp_block)
+        R = E / row             # its rows: each travels padded to whole blocks, with its scales
         # outside the layer loop (the LM head) the forward's gather is hoisted out of the
         # micro-batch loop, and XLA may reuse it for the backward
         once = reps if leaf.stacked else 1
@@ -191,15 +206,15 @@ def collectives(spec) -> list[Comm]:
         for what, b in (("payload", pb), ("scales", sb)):
             if b == 0:
                 continue
-            add("all-gather", cross, E / n_l * b * once, once,
+            add("all-gather", cross, R / n_l * b * once, once,
                 f"weights over the cross-node axes (hpZ's secondary), {what}")
-            add("all-gather", local, E * b * once, once, f"weights, forward, {what}")
-            add("all-gather", local, E * b * reps, reps, f"weights, backward, {what}{again}",
+            add("all-gather", local, R * b * once, once, f"weights, forward, {what}")
+            add("all-gather", local, R * b * reps, reps, f"weights, backward, {what}{again}",
                 optional=not leaf.stacked)
         if gf != "none":
             reps = reps if leaf.stacked else outer_runs(spec, leaf)     # pp: the last stage's
-            pb, sb = _wire(spec, leaf, gf, spec.zeropp_block, even=gf == "int4")
-            left = E
+            pb, sb, row = _wire(spec, leaf, gf, spec.zeropp_block, even=gf == "int4")
+            left = E / row
             for a in tuple(a for a in axes if a not in nodes) + nodes:
                 for what, b in (("payload", pb), ("scales", sb)):
                     add("all-to-all", (a,), left * b * reps, reps,
@@ -216,9 +231,12 @@ def memory(spec) -> list[Term]:
     if not active(spec) or problems(spec) or "hpz" not in parse(spec.zeropp):
         return []
     n_l = math.prod(spec.deg(a) for a in gather_axes(spec) if a not in cross_axes(spec))
-    pb, sb = _wire(spec, sites(spec)[0], weights_format(spec), spec.zeropp_block)
-    held = sum(leaf.run_size(spec, drop=("fsdp",)) for leaf in sites(spec) if leaf.stacked)
-    return [Term("activations", held / n_l * (pb + sb),
+    held = 0.0
+    for leaf in sites(spec):
+        if leaf.stacked:        # its rows as the gathers send them (padded blocks, scales)
+            pb, sb, row = _wire(spec, leaf, weights_format(spec), spec.zeropp_block)
+            held += leaf.run_size(spec, drop=("fsdp",)) / row * (pb + sb)
+    return [Term("activations", held / n_l,
                  "hpZ's secondary copy of the layers' weights (node-local partition)")]
 
 

@@ -18,6 +18,8 @@ The gathered dimension (the one the gather axes split) is reshaped into one sub-
 mesh axis, [n_a, n_b, ..., rest], so that any subset of the axes is gathered into a layout a
 `PartitionSpec` can say (hpZ's secondary partition is whole over the cross-node axes only). The
 straight-through estimator carries the gradient through the quantisation, as ZeRO++ does.
+Quantised blocks run along the last dimension, each of its pieces (its tp shards) zero-padded to
+whole blocks and cut back after the gather or the exchange (`quantise`, `unpad`).
 """
 from __future__ import annotations
 
@@ -64,24 +66,38 @@ class Layout:
         return P(*(out + [None] * ((ndim or len(out)) - len(out))))
 
     def last_local(self) -> int:
-        e = self.entries[-1]
-        return self.split[-1] // math.prod(self.sizes[a] for a in entry_axes(e))
+        return self.split[-1] // self.parts()
+
+    def parts(self) -> int:
+        """The pieces the split array's last dimension is in here (the axes GSPMD splits it
+        over: tp's vocabulary shards of the LM head); each is quantised on its own."""
+        return math.prod(self.sizes[a] for a in entry_axes(self.entries[-1]))
 
 
-def quantise(x, fmt: str, block: int):
-    """(payload, scales) of `x` in blocks along its last dimension (None scales: no quantising)."""
+def quantise(x, fmt: str, block: int, parts: int = 1):
+    """(payload [..., parts, blocks, bytes per block], scales [..., parts, blocks]) of `x` in
+    blocks along its last dimension, taken as `parts` pieces (its shards), each zero-padded to
+    whole blocks; None scales: no quantising."""
     if fmt in ("", "none"):
         return x, None
-    n = x.shape[-1]
-    payload, scales = encode(fmt, x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block,
-                                                                                block)))
-    return payload, scales
+    n = x.shape[-1] // parts
+    blocks = -(-n // block)
+    x = x.astype(jnp.float32).reshape(x.shape[:-1] + (parts, n))
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block - n)])
+    return encode(fmt, x.reshape(x.shape[:-1] + (blocks, block)))
 
 
-def dequantise(payload, scales, fmt: str, shape, dtype):
+def unpad(v, n: int):
+    """Decoded blocks [..., parts, blocks, block] back to rows [..., parts * n] (padding cut)."""
+    v = v.reshape(v.shape[:-2] + (-1,))[..., :n]
+    return v.reshape(v.shape[:-2] + (-1,))
+
+
+def dequantise(payload, scales, fmt: str, shape, dtype, n: int):
+    """The weight of `shape` from its gathered blocks; `n`: a piece's row length."""
     if scales is None:
         return payload.reshape(shape)
-    return decode(fmt, payload, scales).reshape(shape).astype(dtype)
+    return unpad(decode(fmt, payload, scales), n).reshape(shape).astype(dtype)
 
 
 def gather_stage(tree, lay: Layout, held, axes, mesh):
@@ -118,11 +134,11 @@ def reduce_stage(g, lay: Layout, fmt: str, block: int, axes, summed, spec: P):
     still handles)."""
     def body(v):
         for a in axes:
-            p = lay.pos(a)
-            q, s = quantise(v, fmt, block)
+            p, n = lay.pos(a), v.shape[-1]
+            q, s = quantise(v, fmt, block)          # [..., 1, blocks, bytes]: a device's rows
             q = jax.lax.all_to_all(q, a, p, p, tiled=True)
             s = jax.lax.all_to_all(s, a, p, p, tiled=True)
-            v = jnp.sum(decode(fmt, q, s).reshape(q.shape[:-2] + (-1,)), axis=p, keepdims=True)
+            v = jnp.sum(unpad(decode(fmt, q, s), n), axis=p, keepdims=True)
         return jax.lax.psum(v, tuple(summed)) if summed else v
     return on_shards(body, g.astype(jnp.float32), spec)
 
@@ -153,12 +169,12 @@ def matmul(eq, x, w, site, names, mesh, rules, **kw):
     def first(w):
         """The weight's payload gathered over the cross-node axes (hpZ's secondary partition),
         or not gathered at all."""
-        tree = quantise(w.reshape(lay.split), fmt, qblock)
+        tree = quantise(w.reshape(lay.split), fmt, qblock, lay.parts())
         return gather_stage(tree, lay, (), cross, mesh)
 
     def last(tree):
         tree = gather_stage(tree, lay, cross, local, mesh)
-        return dequantise(*tree, fmt, lay.shape, w.dtype)
+        return dequantise(*tree, fmt, lay.shape, w.dtype, lay.last_local())
 
     def inner(x, wf, sc):
         with own_layer(sc):
