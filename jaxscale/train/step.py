@@ -114,12 +114,11 @@ class StepContext:
                 state.params, self.device_sh.params)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else 1.0
             comm = state.comm
+            seen = {} if probe is None else {"probe": probe.read(getattr(state, probe.field))}
             if self.reduce is not None:
                 grads, loss, ntok, stats, comm = self.reduce(params, batch, jnp.asarray(
-                    scale, jnp.float32), state.comm, *teacher)
+                    scale, jnp.float32), state.comm, *teacher, **seen)
             else:
-                seen = {} if probe is None else {
-                    "probe": probe.read(getattr(state, probe.field))}
                 grads, loss, ntok, stats = self.grads_fn(params, batch, scale, *teacher, **seen)
             seen = stats.pop(grads_lib.PROBE, None)
             grads = jax.lax.with_sharding_constraint(grads, self.grads_sh)

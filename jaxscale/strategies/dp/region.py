@@ -98,9 +98,10 @@ def scatter_or_sum(g, spec: P, axes, manual_axes, layout: P | None = None):
 
 def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, ...] = (),
          micro_batches: int = 1):
-    """(params, batch, scale, state, *extra) -> (mean gradients, loss, tokens, stats, state):
-    `grads_fn` (`train.grads.make_grads_fn`'s contract; `extra`, e.g. a distillation teacher's
-    parameters, passed on to it) run manual over `axes`, its gradients reduced once (see the
+    """(params, batch, scale, state, *extra, probe=None) -> (mean gradients, loss, tokens,
+    stats, state): `grads_fn` (`train.grads.make_grads_fn`'s contract; `extra`, e.g. a
+    distillation teacher's parameters, and `probe`, the inputs of `parts.probe` (replicated),
+    passed on to it) run manual over `axes`, its gradients reduced once (see the
     module docstring). `ctx` is the step's context (its placement, state layout and parts);
     `mean` reduces over `mean_axes` (a subset of `axes`) in place of the exact sum, once, or
     with `micro_batches` = k > 1 once per micro-batch (`grads_fn` then takes one micro-batch:
@@ -123,9 +124,10 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
                         is_leaf=is_p)
     probe = parts.probe
 
-    def body(params, batch, scale, *extra):
+    def body(params, batch, scale, probe_in, *extra):
         with manual(axes):
-            grads, loss, ntok, stats = grads_fn(params, batch, scale, *extra)
+            grads, loss, ntok, stats = grads_fn(params, batch, scale, *extra, **(
+                {} if probe_in is None else {"probe": probe_in}))
         loss, total = jax.lax.psum(jnp.stack([loss * ntok, ntok]), axes)     # one [2] array
         loss = loss / jnp.where(total > 0, total, 1.0)
         # each device's share of the step's tokens: the sum over devices is the token mean (a
@@ -146,17 +148,17 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
     grads_out = jax.tree.map(lambda sp: P(lead, *sp) if mean is not None else sp, back,
                              is_leaf=is_p)
 
-    def region(params, batch, scale, *extra):
+    def region(params, batch, scale, *extra, probe=None):
         params = jax.lax.with_sharding_constraint(params, whole)
         return jax.shard_map(
             body, mesh=mesh, axis_names=set(axes), check_vma=False,
             in_specs=(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: P(axes), batch),
-                      P()) + (P(),) * len(extra),
-            out_specs=(grads_out, P(), P(), P()))(params, batch, scale, *extra)
+                      P(), jax.tree.map(lambda _: P(), probe)) + (P(),) * len(extra),
+            out_specs=(grads_out, P(), P(), P()))(params, batch, scale, probe, *extra)
 
     if mean is None:
-        def run(params, batch, scale, state, *extra):
-            grads, loss, total, stats = region(params, batch, scale, *extra)
+        def run(params, batch, scale, state, *extra, probe=None):
+            grads, loss, total, stats = region(params, batch, scale, *extra, probe=probe)
             return grads, loss, total, stats, state
         return run
 
@@ -169,8 +171,8 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
     def mean_body(grads, state, inputs):
         return own_state(jax.tree.map(lambda g: g[0], grads), state, inputs)
 
-    def once(params, batch, scale, state, *extra):
-        grads, loss, total, stats = region(params, batch, scale, *extra)
+    def once(params, batch, scale, state, *extra, probe=None):
+        grads, loss, total, stats = region(params, batch, scale, *extra, probe=probe)
         st = None if state is None else jax.tree.map(lambda _: stacked_spec(), state)
         avg, state = jax.shard_map(
             mean_body, mesh=mesh, check_vma=False,
@@ -180,12 +182,13 @@ def make(grads_fn, ctx, axes: tuple[str, ...], mean=None, mean_axes: tuple[str, 
     if micro_batches == 1:
         return once
 
-    def run(params, batch, scale, state, *extra):
+    def run(params, batch, scale, state, *extra, probe=None):
         from jaxscale.strategies.accumulate import split
 
         def body(carry, micro):
             acc, state = carry
-            avg, loss, total, stats, state = once(params, micro, scale, state, *extra)
+            avg, loss, total, stats, state = once(params, micro, scale, state, *extra,
+                                                  probe=probe)
             seen = stats.pop(PROBE, None)
             part = (jax.tree.map(lambda g: g.astype(jnp.float32) * total, avg), loss * total,
                     total, stats, seen)

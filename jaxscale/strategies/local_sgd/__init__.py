@@ -32,14 +32,16 @@ gradient norm the mean of the replicas' norms. A replica whose step is not finit
 With pruning, each replica is masked after its inner update and the anchor after each average.
 
 Streaming (Streaming DiLoCo, arXiv 2501.18512; `fragments.py`): `plan.outer_fragments=F` cuts
-the model into F strided layer fragments, each averaged once every H steps at its own offset, so
-a step all-reduces at most one fragment's 4 Psi / F (the same 4 Psi / H per step on average:
-the peak falls F-fold); `plan.outer_delay=1` takes each average from the replica as the step
-starts, so its all-reduce depends on nothing the step computes and overlaps the step's forward
-and backward (each branch of the switch then holds the whole step), and lands at the step's end,
-where the replica's parts are merged, `plan.outer_mix` (alpha, 0.5) x its own + (1 - alpha) x
-the new anchor: the outer update is one step late, the link is never waited on. An XLA
-collective starts and ends inside one compiled step, so one step is the most it can overlap.
+the model into F strided layer fragments (F need not divide the layers: then they differ by a
+layer), each averaged once every H steps at its own offset, so a step all-reduces at most one
+fragment's bytes, about 4 Psi / F (the same 4 Psi / H per step on average: the peak falls
+F-fold, to the largest group's); `plan.outer_delay=1` takes each average from the replica as
+the step starts, so its all-reduce depends on nothing the step computes and overlaps the
+step's forward and backward (each branch of the switch then holds the whole step), and lands at
+the step's end, where the replica's parts are merged, `plan.outer_mix` (alpha, 0.5) x its own
++ (1 - alpha) x the new anchor: the outer update is one step late, the link is never waited on.
+An XLA collective starts and ends inside one compiled step, so one step is the most it can
+overlap.
 
 With `plan.compression` the average is the method's compressed mean of the changes
 (`replicas.outer_mean`; its per-device state in `TrainState.comm["mean"]`: streamed, one state
@@ -121,18 +123,17 @@ def streaming(spec) -> bool:
 
 
 def streaming_problems(spec) -> list[str]:
+    """Fragments need a layer each (F <= the layers); under a pipeline the stride runs inside
+    each stage's stored rows (`fragments.py`: no layer moves between stages), so F <= those."""
     F, model, errs = spec.outer_fragments, spec.model, []
-    if F > 1 and model.scan_layers:
-        n = spec.stored_layers if spec.deg("pp") > 1 else model.n_layers
-        where = (f"the {n} rows of each layer stack a pipeline device stores (so that no layer "
-                 f"moves between stages)" if spec.deg("pp") > 1 else
-                 f"the {n} layers of each layer stack")
-        if n % F:
-            errs.append(f"plan.outer_fragments={F}: fragment p holds the layers p, p + F, ...; "
-                        f"F must divide {where}: choose a divisor of {n}")
-    elif F > model.n_layers:
+    if F > model.n_layers:
         errs.append(f"plan.outer_fragments={F} is more than the {model.n_layers} layers: at "
                     f"most one fragment per layer")
+    elif F > 1 and model.scan_layers and spec.deg("pp") > 1 and F > spec.stored_layers:
+        errs.append(f"plan.outer_fragments={F}: each pipeline stage's {spec.stored_layers} "
+                    f"stored layers are cut into the fragments (strided inside the stage, so no "
+                    f"layer moves between stages): at most {spec.stored_layers} fragments with "
+                    f"mesh.pp={spec.deg('pp')}")
     return errs
 
 

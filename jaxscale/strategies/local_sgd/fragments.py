@@ -1,18 +1,23 @@
 """Streaming DiLoCo's fragments (arXiv 2501.18512): the model cut into F parts that are averaged
 at staggered steps, each once every H steps, so a step moves at most one part's bytes.
 
-Fragment p holds the layers p, p + F, p + 2F, ... (strided, as the paper chooses: every
-pipeline stage then holds an equal share of every fragment, and neighbouring layers are not
-averaged together); of the leaves outside the layers the embedding goes to fragment 0, the final
-norm and the head to fragment F - 1. A layer-stacked leaf [n, ...] gives fragment p its rows
-p::F, taken as [n / F, F, ...][:, p] so that a split of the stacked axis (over pp) stays local.
+Fragment p holds the layers p, p + F, p + 2F, ... (strided, as the paper chooses: neighbouring
+layers are not averaged together); of the leaves outside the layers the embedding goes to
+fragment 0, the final norm and the head to fragment F - 1. F need not divide the layers: with
+n = qF + r layers the first r fragments hold q + 1 of them, the others q (5 layers in 2
+fragments: layers 0, 2, 4 and 1, 3). A layer-stacked leaf [n, ...] gives fragment p its rows
+p::F. Under a pipeline the stacked axis is split over pp into S blocks of m stored rows, and the
+stride runs inside each block: fragment p holds the rows p, p + F, ... < m of every stage
+([S, m, ...][:, p::F], so the split stays local and every stage holds a share of every
+fragment); that is the whole-stack stride wherever F divides m, and needs F <= m.
 
 Fragment p is averaged after the inner steps c = o_p, o_p + H, o_p + 2H, ... with the offset
 o_p = p H // F (fragments with the same offset, when F > H, go together: one group). With F = 1
-it is DiLoCo's schedule; at H = 1 every fragment is averaged at every step.
+it is DiLoCo's schedule; at H = 1 every fragment is averaged at every step. Uneven fragments
+make uneven averages: the peak a step puts on the link is the largest group's.
 
 The formula side (`group_shapes`) reads the same assignment from the parameter table
-(`jaxscale.strategies.tables.params`), so the census can be held to it.
+(`jaxscale.strategies.tables.params`), so the census can be held to it, group by group.
 """
 from __future__ import annotations
 
@@ -67,22 +72,30 @@ def schedule(F: int, H: int, steps: int, delay: int = 0, warmup: int = 0) -> lis
     return out
 
 
-def part_shape(shape, o: int, F: int) -> tuple[int, ...]:
-    """The shape of a fragment's part of a leaf of this shape and owner (`Cut`'s `take`)."""
-    return (shape[0] // F,) + tuple(shape[1:]) if o == STRIDED else tuple(shape)
+def rows(m: int, p: int, F: int) -> int:
+    """How many of a block's m stacked rows fragment p holds: those r < m with r = p mod F."""
+    return len(range(p, m, F))
+
+
+def part_shape(shape, o: int, F: int, p: int, stages: int = 1) -> tuple[int, ...]:
+    """The shape of fragment p's part of a leaf of this shape and owner (`Cut`'s `take`): a
+    stacked leaf's rows p::F of each of its `stages` blocks."""
+    if o != STRIDED:
+        return tuple(shape)
+    return (stages * rows(shape[0] // stages, p, F),) + tuple(shape[1:])
 
 
 def group_shapes(spec) -> list[list[tuple[int, ...]]]:
     """Each group's parts as a device holds them (its shards of every leaf part, a stacked
-    leaf's rows p::F), in the order of `groups`: what one average of that group takes (with
-    F = 1 one group, every leaf whole)."""
+    leaf's rows p::F of the rows it stores), in the order of `groups`: what one average of that
+    group takes (with F = 1 one group, every leaf whole)."""
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     per: list[list] = [[] for _ in range(F)]
     for leaf in leaves(spec.model):
         shape, o = leaf.local_shape(spec), owner(leaf.path, leaf.stacked, F)
         for p in (range(F) if o == STRIDED else [o]):
-            per[p].append(part_shape(shape, o, F))
+            per[p].append(part_shape(shape, o, F, p))
     return [[s for p in g for s in per[p]] for g in groups(F, H)]
 
 
@@ -93,14 +106,15 @@ def group_parts(spec, params, where) -> list[tuple]:
     from jax.sharding import PartitionSpec as P
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     specs, sizes = where
-    cut = Cut.of(params, F)
+    cut = Cut.of(params, F, spec.deg("pp"))
     leaves_ = jax.tree.leaves(params)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     out = []
     for frags in groups(F, H):
         members = cut.members(frags)
-        parts = [jax.ShapeDtypeStruct(part_shape(leaves_[j].shape, cut.owners[j], F),
-                                      leaves_[j].dtype) for j, _ in members]
+        parts = [jax.ShapeDtypeStruct(part_shape(leaves_[j].shape, cut.owners[j], F, p,
+                                                 cut.stages), leaves_[j].dtype)
+                 for j, p in members]
         out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
     return out
 
@@ -108,19 +122,22 @@ def group_parts(spec, params, where) -> list[tuple]:
 @dataclass(frozen=True)
 class Cut:
     """The runtime side: each flattened parameter leaf's owner, and the fragments' parts of a
-    list of leaves (the parameters' order)."""
+    list of leaves (the parameters' order); `stages`: the blocks a stacked leaf's rows are split
+    in (pp's), each cut alike."""
     F: int
     owners: tuple[int, ...]
+    stages: int = 1
 
     @classmethod
-    def of(cls, params, F: int) -> Cut:
+    def of(cls, params, F: int, stages: int = 1) -> Cut:
         """The cut of a parameter tree, from its paths: a leaf under "layers/" without a layer
         number is a layer stack (the model's "layers" logical axis)."""
         import jax
         paths = [jax.tree_util.keystr(p, simple=True, separator="/")
                  for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         return cls(F, tuple(owner(path, path.startswith("layers/")
-                                  and not re.match(r"layers/\d+/", path), F) for path in paths))
+                                  and not re.match(r"layers/\d+/", path), F) for path in paths),
+                   max(1, stages))
 
     def members(self, frags) -> list[tuple[int, int]]:
         """(leaf number, fragment) of every part the fragments `frags` hold."""
@@ -138,9 +155,10 @@ class Cut:
             if self.owners[j] != STRIDED:
                 out[j] = part.astype(out[j].dtype)
                 continue
-            x = out[j]
-            rows = x.reshape((x.shape[0] // self.F, self.F) + x.shape[1:])
-            out[j] = rows.at[:, p].set(part.astype(x.dtype)).reshape(x.shape)
+            x, S = out[j], self.stages
+            blocks = x.reshape((S, x.shape[0] // S) + x.shape[1:])
+            part = part.reshape((S, -1) + x.shape[1:]).astype(x.dtype)
+            out[j] = blocks.at[:, p::self.F].set(part).reshape(x.shape)
         return out
 
     def merge(self, rep, anchor, frags, alpha: float) -> list:
@@ -154,4 +172,6 @@ class Cut:
     def _part(self, x, j, p):
         if self.owners[j] != STRIDED:
             return x
-        return x.reshape((x.shape[0] // self.F, self.F) + x.shape[1:])[:, p]
+        S = self.stages
+        part = x.reshape((S, x.shape[0] // S) + x.shape[1:])[:, p::self.F]
+        return part.reshape((-1,) + x.shape[1:])

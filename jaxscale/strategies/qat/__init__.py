@@ -12,9 +12,13 @@ fp8 recipes). The numerics are `jaxscale.strategies.qat.numerics`:
   per-tensor scales. Delayed scaling keeps, per layer, 18 amax histories (the four matmul
   inputs, the seven weights, the seven output gradients) in `TrainState.quant`
   ([layers, 18, history] fp32, replicated, checkpointed with the state); the scale of a step is
-  max(history) / fp8 max, and the amaxes the step saw are rolled in after it (mean over the
-  micro-batches with plan.accumulate > 1; a skipped step leaves them). A slot without history
-  (the first step) scales by its own amax.
+  max(history) / fp8 max. After the step, once, its amaxes are rolled in: for each slot the
+  largest over the step's micro-batches and over the devices' pieces (a data region's rows, a
+  tensor-parallel group's shards), the output gradients' in the whole batch's token-mean units
+  (`gradient_unit`), so that the histories are one device's on every layout and restore onto
+  any; a skipped step leaves them. A slot without history (the first step) scales each
+  micro-batch by its own amax: with plan.accumulate = k the first step rounds differently from
+  k = 1, the later steps (the history's scales) do not.
 
 Saves: fp8 keeps each matmul's input for the backward in e4m3, 1 byte per element instead of
 the compute dtype's (the attention-input and MLP-input norms' outputs, the attention output and
@@ -31,12 +35,18 @@ per-channel scale taken over an axis a plan splits becomes an all-reduce(max): i
 scales of wo's and w_down's inputs, whose contracted heads / mlp axes are split over tp, add one
 all-reduce of B T / data-degree fp32 per layer each (forward only: the backward is the plain
 one); fp8's per-tensor amaxes are scalar all-reduces. Matmul partial sums under tp move as s32
-(int8) or f32 (fp8): 4 bytes per element, as in fp32. What changes in byte counts: under FSDP
-XLA quantises each weight shard before the forward all-gather, so the block weights travel in
-8 bits (int8: forward only, -32% of the tiny model's gather bytes; fp8: both passes, widened to
-f16 by XLA:CPU, -43%); `fsdp`'s formula models it where the code decides it, under collective
-matmul (`ring_gathers`: the ring's region gathers the quantised weight), not for GSPMD's own
-choice (docs/quantization.md).
+(int8) or f32 (fp8): 4 bytes per element, as in fp32. Under FSDP (and ZeRO-3) int8 quantises
+each weight on its own shard (`on_shards`: the int8 values and the scales constrained to the
+weight's layout), so every block weight's forward all-gather moves int8 values, plus its fp32
+scales where the gather axes split a channel dimension (wo's and w_down's `embed`), and the
+scales of a weight whose contraction they split are first all-reduced (max) over them; the
+straight-through backward gathers the weight in the compute dtype (-32% of the tiny model's
+gather bytes); a remat replay gathers the int8 operands again (`weight_gathers`, fsdp's formula,
+census = formula row by row; its minimum column leaves the replay's out). Under a remat policy
+tensor parallelism's column weights reach the projection gathered (`arrives_gathered`) and are
+quantised there. fp8 under GSPMD is left to XLA (it casts some shards before the gathers,
+widened to f16 by XLA:CPU); under collective matmul both methods' rings gather the quantised
+weight (docs/quantization.md).
 
 A mixture of experts' expert matmuls run through the same numerics as grouped matmuls
 (`ragged.py`, the rules' `grouped` seam; the plan runs its mixtures as grouped experts), their
@@ -55,7 +65,14 @@ import math
 from jaxscale.hooks import register
 from jaxscale.hooks.projection import plain
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.tables.activations import exchange
+from jaxscale.strategies.qat.layout import (  # noqa: F401  (fsdp reads weight_gathers)
+    QUANTISED_SITES,
+    Gathers,
+    _quantised,
+    arrives_gathered,
+    on_shards,
+    weight_gathers,
+)
 
 NAME = "qat"
 AVAILABLE = True
@@ -65,7 +82,6 @@ IMPLEMENTATION = {"int8": "qat_int8", "fp8": "qat_fp8"}
 #: slots per layer of the fp8 state (`jaxscale.strategies.qat.numerics.SLOTS`: 4 inputs, 7 weights,
 #: 7 gradients)
 N_SLOTS = 18
-QUANTISED_SITES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def active(spec) -> bool:
@@ -94,85 +110,30 @@ def rules(spec, rules) -> None:
     matmul's, which runs its rings on this method's operands
     (`jaxscale.strategies.overlap.quantised`)."""
     if active(spec) and spec.tp_overlap == "none":
-        rules.set_seam("projection", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
+        from jaxscale.axes import MESH_AXES
+        # ZeRO-3 splits the stored (stacked) weights over dp too (`layer_entries`)
+        stacked = [leaf.shape[0] for leaf in _quantised(spec) if leaf.stacked]
+        rules.set_seam("projection", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}",
+                       zero3=spec.zero >= 3 and spec.deg("dp") > 1,
+                       sizes=tuple((a, spec.deg(a)) for a in MESH_AXES),
+                       layers=stacked[0] if stacked else None)
     if active(spec) and spec.moe:
         rules.set_seam("grouped", IMPLEMENTATION[spec.qat], by=f"plan.qat={spec.qat}")
 
 
 def collectives(spec) -> list[Comm]:
-    """int8 under tp: the per-token scales of wo's and w_down's inputs, and those weights'
-    per-channel scales, are maxima over their contracted axes (heads and mlp), which tp splits:
-    per layer one fp32 all-reduce(max) of the local tokens and one of the local channels for
-    each, in the forward. (Scalar amax all-reduces are left out.)"""
-    if not active(spec) or spec.qat != "int8" or spec.deg("tp") == 1:
+    """int8 only (fp8's scalar amax all-reduces are left out). Under tp: the per-token scales of
+    wo's and w_down's inputs, and those weights' per-channel scales, are maxima over their
+    contracted axes (heads and mlp), which tp splits: per layer one fp32 all-reduce(max) of the
+    local tokens and one of the local channels for each, in the forward. Where a weight is
+    quantised on its shards before fsdp's gather (`on_shards`, or collective matmul's ring) and
+    the gather axes split its contraction (the column-parallel weights' `embed`): its
+    per-channel scales all-reduced (max) over those axes, once per forward run (micro-batch,
+    and remat replay of its matmul)."""
+    if not active(spec) or spec.qat != "int8":
         return []
-    L, t = spec.model.n_layers, spec.deg("tp")
-    n = 2 * L
-    tokens = spec.local_batch * spec.local_seq
-    down = L * tokens
-    if spec.moe:        # a MoE layer's w_down reads the grouped experts' rows (ep/grouped.py)
-        Lm = spec.model.n_moe_layers
-        down += Lm * (exchange(spec).rows * max(1, spec.accumulate) - tokens)
-    weights = _quantised(spec)
-    rows = [leaf for leaf in weights if _split_by(spec, leaf, True, "tp")]      # wo, w_down
-    out = [Comm("all-reduce", ("tp",), 4 * (tokens * L + down), n,
-                "int8 QAT: per-token scales of wo and w_down inputs (max)", group=t),
-           Comm("all-reduce", ("tp",), 4 * sum(_channels(spec, x) for x in rows), n,
-                "int8 QAT: per-channel scales of wo and w_down (max)", group=t)]
-    f = spec.deg("fsdp")
-    if f > 1 and spec.tp_overlap != "none":
-        # the weights quantised before the ring's region gathers them: a channel's scale is a
-        # max over its contraction, which fsdp splits for the column-parallel weights
-        split = [leaf for leaf in weights if _split_by(spec, leaf, True, "fsdp")]
-        if split:
-            out.append(Comm("all-reduce", ("fsdp",), 4 * sum(_channels(spec, x) for x in split),
-                            L, "int8 QAT: per-channel scales of weights whose contraction fsdp "
-                            "splits (max), before the ring's gather", group=f))
-    return out
-
-
-def _quantised(spec) -> list:
-    """The block weights this strategy quantises (`QUANTISED_SITES`), as parameter leaves."""
-    from jaxscale.strategies.tables.params import leaves
-    return [leaf for leaf in leaves(spec.model) if leaf.path.split("/")[-1] in QUANTISED_SITES]
-
-
-def _contracted(leaf, contracted: bool) -> list[int]:
-    """A weight's contracted dimensions (its input: `tables.params.contracted_axes`), or the
-    others (its channels, those of its per-channel scales; the layers axis left out)."""
-    from jaxscale.strategies.tables.params import STACKED, contracted_axes
-    into = contracted_axes(leaf.axes)
-    return [d for d, ax in enumerate(leaf.axes)
-            if ax not in STACKED and (d in into) == contracted]
-
-
-def _channels(spec, leaf, drop=()) -> float:
-    """Local elements of a weight's per-channel scales, over all its layers."""
-    shape = leaf.local_shape(spec, drop)
-    return float(math.prod(shape[d] for d, ax in enumerate(leaf.axes)
-                           if d not in _contracted(leaf, True)))
-
-
-def _split_by(spec, leaf, contracted: bool, mesh_axis: str) -> bool:
-    """Whether `mesh_axis` splits the weight's contracted (or channel) dimensions."""
-    return any(mesh_axis in spec.rules.table.get(leaf.axes[d], ())
-               for d in _contracted(leaf, contracted))
-
-
-def ring_gathers(spec, leaf) -> tuple[float, float] | None:
-    """(forward, backward) bytes of fsdp's all-gather of a block weight when collective matmul
-    runs on QAT's operands (`overlap.quantised`: the region gathers the weight already quantised):
-    forward 1 byte per element (int8 with its per-channel fp32 scales where fsdp splits a channel
-    dimension); backward fp8's e4m3 again, int8's straight-through backward the compute dtype.
-    None for any other leaf or plan (the compute dtype, `fsdp.collectives`)."""
-    if (not active(spec) or spec.tp_overlap == "none"
-            or leaf.path.split("/")[-1] not in QUANTISED_SITES):
-        return None
-    elements = leaf.run_size(spec, drop=("fsdp",))
-    if spec.qat == "fp8":
-        return elements, elements
-    scales = 4 * _channels(spec, leaf, ("fsdp",)) if _split_by(spec, leaf, False, "fsdp") else 0
-    return elements + scales, elements * spec.wire_param_itemsize
+    from jaxscale.strategies.qat.layout import int8_scale_collectives
+    return int8_scale_collectives(spec)
 
 
 def saved_input_elements(spec) -> float:
@@ -218,9 +179,21 @@ def shape_step(spec, parts) -> None:
 
     from jaxscale.strategies.common import Probe
     from jaxscale.strategies.qat import numerics
+    unit = gradient_unit(spec)
     parts.set("state.quant", lambda params, optimizer, where: init_state(spec), by=NAME)
-    parts.set("probe", Probe("quant", read=numerics.scales, wrap=numerics.probing,
-                             combine=jnp.maximum, write=numerics.update_history), by=NAME)
+    parts.set("probe", Probe("quant", read=lambda st: numerics.scales(st, unit),
+                             wrap=numerics.probing, combine=jnp.maximum,
+                             write=lambda st, amax, finite: numerics.update_history(
+                                 st, amax, finite, unit)), by=NAME)
+
+
+def gradient_unit(spec) -> int:
+    """How much larger the output gradients the fp8 matmuls see are than one device's: the
+    grads function differentiates the token sum over its rows' slots, so inside a data region
+    (`dp.sync_axes`; local SGD's replicas over dp) by the region's data degree."""
+    from jaxscale.strategies import dp
+    axes = ("dp",) if spec.local_sgd != "none" else dp.sync_axes(spec)
+    return math.prod(spec.deg(a) for a in axes)
 
 
 def init_state(spec):
@@ -236,7 +209,10 @@ def _int8(eq, x, w, site, names, mesh, rules, **kw):
     if site not in QUANTISED_SITES:
         return plain(eq, x, w, **kw)
     from jaxscale.strategies.qat import numerics
-    return numerics.int8_matmul(eq, x, w)
+    w_q = numerics.int8_weight(eq, w)
+    if not arrives_gathered(site, rules):
+        w_q = on_shards(eq, w_q, site, names[1], rules)
+    return numerics.int8_matmul(eq, x, w, w_q)
 
 
 @register("projection", IMPLEMENTATION["fp8"])

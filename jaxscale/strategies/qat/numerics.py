@@ -7,7 +7,9 @@ int8 (`int8_matmul`): w symmetric per output channel (max |w| over the contracte
     x symmetric per token (max |x| over the contracted axes / 127), both rounded to int8, the dot
     int8 x int8 -> int32 (`preferred_element_type=int32`), times s_x s_w. No state. Backward:
     straight-through: the gradients of the unquantised einsum, in the compute dtype (the saved
-    residuals are the unquantised x and w, as without QAT).
+    residuals are the unquantised x and w, as without QAT). The weight's int8 values and
+    scales (`int8_weight`) are computed outside the `custom_vjp`, where the caller lays them
+    out (on the weight's shards, before fsdp's gather: `qat.layout.on_shards`).
 fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torchao float8):
     per-tensor scales, x and w cast to e4m3 (max 448) for the forward dot, the output gradient
     to e5m2 (max 57344) for both backward dots (dx = g w^T, dw = x^T g, fp32 accumulation). The
@@ -20,6 +22,9 @@ fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torch
     The matmul reports the amaxes it saw as the cotangent of `scales` (the "overwrite with
     gradient" mechanism of Flax's fp8 ops): the gradient of the per-layer scales *is* the new
     amaxes (x, w from the forward, g from the backward), which `update_history` rolls in.
+    The `custom_vjp`'s forward and backward are traced where the step is differentiated, after
+    the manual regions of the call (a tensor-parallel group's weight shards) are gone: both take
+    the regions' axes from the call (`over`), so that w's and g's amaxes are the whole tensor's.
 
 Layout of the delayed-scaling state, per layer: `SLOTS` (the inputs x of the four matmul groups:
 q/k/v share theirs, gate/up theirs, as in a fused QKV or gate-up kernel; the seven weights; the
@@ -124,29 +129,45 @@ def int8_rescale(eq: str, y, sx, sw, dtype):
     return (y.astype(jnp.float32) * fx * fw).astype(dtype)
 
 
-def int8_forward(eq: str, x, w):
+def int8_weight(eq: str, w):
+    """(w in int8, its per-channel fp32 scales): the weight operand, no gradient. Computed
+    outside the matmul's `custom_vjp`, where the caller can lay it out (on the weight's own
+    shards, so that an FSDP gather moves the int8 values: `jaxscale.strategies.qat`)."""
+    _, cw, _ = _dims(eq)
+    return _int8(jax.lax.stop_gradient(w), cw)
+
+
+def int8_forward(eq: str, x, w, w_q=None):
     """int8 x int8 -> int32 dot of the per-token / per-channel quantised operands, rescaled,
-    in x's dtype."""
-    (qx, sx), (qw, sw) = int8_operands(eq, x, w)
+    in x's dtype; `w_q`: the weight already quantised (`int8_weight`)."""
+    cx, _, _ = _dims(eq)
+    qx, sx = _int8(x, cx)
+    qw, sw = int8_weight(eq, w) if w_q is None else w_q
     return int8_rescale(eq, int8_product(eq, qx, qw), sx, sw, x.dtype)
 
 
+def int8_matmul(eq: str, x, w, w_q=None):
+    """einsum(eq, x, w) through an int8 dot; straight-through gradients (see the module).
+    `w_q`: the weight's (int8 values, scales) from `int8_weight`, computed where the caller
+    placed them; None: computed here."""
+    return _int8_matmul(eq, x, w, *(int8_weight(eq, w) if w_q is None else w_q))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def int8_matmul(eq: str, x, w):
-    """einsum(eq, x, w) through an int8 dot; straight-through gradients (see the module)."""
-    return int8_forward(eq, x, w)
+def _int8_matmul(eq: str, x, w, qw, sw):
+    return int8_forward(eq, x, w, (qw, sw))
 
 
-def _int8_fwd(eq, x, w):
-    return int8_forward(eq, x, w), (x, w)
+def _int8_fwd(eq, x, w, qw, sw):
+    return int8_forward(eq, x, w, (qw, sw)), (x, w)
 
 
 def _int8_bwd(eq, res, g):
     x, w = res
-    return jax.vjp(lambda a, b: reference(eq, a, b), x, w)[1](g)
+    return (*jax.vjp(lambda a, b: reference(eq, a, b), x, w)[1](g), None, None)
 
 
-int8_matmul.defvjp(_int8_fwd, _int8_bwd)
+_int8_matmul.defvjp(_int8_fwd, _int8_bwd)
 
 
 # ----------------------------------------------------------------------------- fp8
@@ -195,7 +216,7 @@ def _fp8(eq, record_x, over, x, x8, sx, ax, w, scales):
 
 
 def _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, scales):
-    aw = _amax(w)
+    aw = _amax(w, over)       # traced where it is differentiated: the call's regions in `over`
     sw = _scale(scales[1], aw, FP8_MAX["w"])
     y = _dot(eq, x8, _cast(w, sw, E4M3), jnp.float32) * (sx * sw)
     # the backward keeps x in e4m3 (not x) and w as it is (its e4m3 copy is recast there)
@@ -225,16 +246,26 @@ def init_history(n_layers: int, length: int):
     return {"amax_history": jnp.zeros((n_layers, len(SLOTS), length), jnp.float32)}
 
 
-def scales(state):
-    """[layers, slots] divisors max(history) / fp8 max; 0 where a slot has no history yet."""
+def _gradient_unit(unit: float):
+    """[slots]: `unit` at the output gradients' slots, 1 elsewhere."""
+    return jnp.asarray([unit if s[0] == "g" else 1.0 for s in SLOTS], jnp.float32)
+
+
+def scales(state, unit: float = 1.0):
+    """[layers, slots] divisors max(history) / fp8 max; 0 where a slot has no history yet.
+    The histories hold the gradients' amaxes of the whole batch's token-mean loss; `unit`: what
+    the step's output gradients are in those units (a data region differentiates its devices'
+    rows' mean: the region's data degree)."""
     fmax = jnp.asarray([FP8_MAX[s[0]] for s in SLOTS], jnp.float32)
-    return jnp.max(state["amax_history"], axis=-1) / fmax
+    return jnp.max(state["amax_history"], axis=-1) / fmax * _gradient_unit(unit)
 
 
-def update_history(state, amax, finite):
-    """Roll each slot's history and put the step's amax first; a skipped (non-finite) step
-    leaves the histories as they were."""
+def update_history(state, amax, finite, unit: float = 1.0):
+    """Roll each slot's history and put the step's amax first (the gradients' in the whole
+    batch's units: divided by `unit`, see `scales`), so that the histories are one device's on
+    every layout and restore onto any; a skipped (non-finite) step leaves them as they were."""
     h = state["amax_history"]
+    amax = amax / _gradient_unit(unit)
     new = jnp.concatenate([amax.astype(h.dtype)[..., None], h[..., :-1]], axis=-1)
     return {"amax_history": jnp.where(finite & jnp.all(jnp.isfinite(amax)), new, h)}
 

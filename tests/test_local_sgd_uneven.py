@@ -1,0 +1,129 @@
+"""Streaming DiLoCo with fragments that do not divide the layers (`plan.outer_fragments`,
+`strategies/local_sgd/fragments.py`): 5 layers in F = 2 strided fragments (layers 0, 2, 4 with
+the embedding; 1, 3 with the final norm and the head), and a pipeline whose stages store 3
+layers each (the stride inside each stage: rows 0, 2 and 1 of every stage). Each as the
+divisible case is held: at H = 1 the fragments' averages are synchronous DP's step; blocking at
+H = 2 each fragment is averaged at its own offset; each branch's census is its group's fp32
+all-reduce, the formula's by hand from the shapes; the planner's terms per group."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxscale import plan, planner
+from jaxscale.analysis import inspect
+from jaxscale.analysis.validation import tiny_config
+from jaxscale.strategies import local_sgd
+from jaxscale.strategies.local_sgd import fragments
+from jaxscale.train.setup import build
+from tests import numerics
+from tests.test_local_sgd import DP8, SGD, batch, host
+
+FIVE = ("model.n_layers=5",)
+STREAM = ("plan.local_sgd=diloco", "plan.local_steps=2", "plan.outer_fragments=2")
+SYNC = ("plan.local_sgd=diloco", "plan.outer_lr=1", "plan.outer_momentum=0",
+        "plan.local_steps=1", "plan.outer_fragments=2")
+
+
+def test_uneven_fragments_at_h1_equal_synchronous_dp():
+    """F = 2 over 5 layers at H = 1 (outer lr 1, no momentum, the linear inner SGD): every
+    fragment averaged every step, 3 updates equal DP's (the fp32 bound)."""
+    dp = numerics.run((*DP8, *FIVE, *SGD))
+    got = numerics.run((*DP8, *FIVE, *SGD, *SYNC))
+    numerics.assert_matches(got, dp, dataclasses.replace(
+        numerics.FP32, grads=None, why="the same fp32 steps; local SGD's step shows no mean "
+        "gradient, the weights after each update are compared"))
+
+
+def synced(h, layers, leaf) -> bool:
+    """Whether every replica's rows `layers` of a stacked leaf and its `leaf` equal the anchor's."""
+    a, r = h.params, h.comm["params"]
+    w, wr = a["layers"]["mlp"]["w_up"], r["layers"]["mlp"]["w_up"]
+    return (np.array_equal(r[leaf], np.broadcast_to(a[leaf], r[leaf].shape))
+            and all(np.array_equal(wr[:, i], np.broadcast_to(w[i], wr[:, i].shape))
+                    for i in layers))
+
+
+@pytest.fixture(scope="module")
+def blocking():
+    s = build(tiny_config(*DP8, *FIVE, *STREAM, "optim.warmup_steps=0"))
+    step = s.lower_train_step().compile()
+    state, seen = s.init_state(), []
+    with jax.set_mesh(s.placement.mesh):
+        for i in range(2):
+            state, _ = step(state, batch(i))
+            seen.append(host(state))
+    return s, step, seen
+
+
+def test_uneven_fragments_are_averaged_at_their_offsets(blocking):
+    """Step 0 (fragment 1's offset) averages layers 1, 3 and the head; step 1 layers 0, 2, 4
+    and the embedding."""
+    _, _, seen = blocking
+    assert synced(seen[0], (1, 3), "head") and not synced(seen[0], (0,), "embed")
+    assert not synced(seen[0], (0, 2, 4), "embed")
+    assert synced(seen[1], (0, 2, 4), "embed") and not synced(seen[1], (1,), "head")
+
+
+def test_each_branch_all_reduces_its_groups_bytes(blocking):
+    """Each branch's census: the metrics (20 bytes) and its group's fp32 changes, by hand: the
+    tiny model's layer (4 d^2 + 3 d f + 2 d weights; d = 128, f = 384, kv 4 heads of 16), the
+    embedding on fragment 0, the final norm and the head on fragment 1."""
+    s, step, _ = blocking
+    spec, text, mesh = s.placement.spec, step.as_text(), s.placement.mesh
+    d, f, V, kv = 128, 384, 320, 4 * 16
+    layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
+    want = [4 * (3 * layer + V * d), 4 * (2 * layer + d + d * V)]
+    assert local_sgd.average_bytes(spec) == want
+    for branch, bytes_ in enumerate([0] + want):
+        one_hot = [float(b == branch) for b in range(3)]
+        got = inspect.census(text, mesh, one_hot)
+        assert [(c["kind"], c["axes"], c["bytes"]) for c in got] == [
+            ("all-reduce", ["dp"], bytes_ + 20)], (branch, got)
+    rows = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        text, mesh, plan.branch_share(spec)))
+    assert [r["ratio"] for r in rows] == [pytest.approx(1.0)]
+    # the planner: per step 1/H of each group, the peak the larger group's
+    pred = planner.predict(tiny_config(*DP8, *FIVE, *STREAM))
+    avg = [c for c in pred.collectives if "averaged once every" in c.what]
+    assert sorted(c.bytes for c in avg) == sorted(b / 2 for b in want)
+
+
+def test_uneven_cut_takes_and_puts_strided_rows_per_stage():
+    """The runtime cut of a [6, ...] stack over 2 stages and F = 2 (per stage 3 rows: rows 0, 2
+    to fragment 0, row 1 to fragment 1), and of a [5, ...] stack whole (rows 0, 2, 4 and 1, 3):
+    the parts' shapes are the formula's (`part_shape`), and `put` writes back what `take` read."""
+    rng = np.random.default_rng(0)
+    for n, stages, frag0, frag1 in ((6, 2, [0, 2, 3, 5], [1, 4]), (5, 1, [0, 2, 4], [1, 3])):
+        params = jax.tree.map(jax.numpy.asarray, {
+            "embed": rng.normal(size=(4, 3)).astype("float32"),
+            "layers": {"w": rng.normal(size=(n, 3)).astype("float32")}})
+        cut = fragments.Cut.of(params, 2, stages)
+        leaves = jax.tree.leaves(params)
+        w0, w1 = (cut.take(leaves, (p,))[-1] for p in (0, 1))
+        w = np.asarray(params["layers"]["w"])
+        np.testing.assert_array_equal(w0, w[frag0])
+        np.testing.assert_array_equal(w1, w[frag1])
+        assert w0.shape == fragments.part_shape((n, 3), fragments.STRIDED, 2, 0, stages)
+        back = cut.put(leaves, (1,), [x * 0 for x in cut.take(leaves, (1,))])
+        back = np.asarray(back[-1])
+        assert not back[frag1].any() and np.array_equal(back[frag0], w0)
+
+
+def test_uneven_fragments_in_pipeline_stages_match_dp_and_the_formula():
+    """Each dp rank a pp2 x tp2 pipeline of 6 layers (3 per stage), F = 2 at H = 1: DP's step
+    over 3 updates, and every census row the formula's (each group's all-reduce of its stages'
+    rows: 2 + 1 per stage)."""
+    mesh = ("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1", "model.n_layers=6",
+            "plan.accumulate=2", "data.batch_size=8")
+    dp = numerics.run((*mesh, *SGD))
+    got = numerics.run((*mesh, *SGD, *SYNC))
+    numerics.assert_matches(got, dp, dataclasses.replace(
+        numerics.FP32, grads=None, why="the same fp32 steps, weights compared"))
+    spec = plan.Spec.from_config(tiny_config(*mesh, *SGD, *SYNC), 8).with_(device_kind="cpu")
+    rows = inspect.theory_vs_census(plan.collectives(spec), inspect.census(
+        got.text, got.setup.placement.mesh, plan.branch_share(spec)))
+    assert {tuple(r["axes"]) for r in rows} >= {("dp",), ("pp",), ("tp",)}
+    for r in rows:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
