@@ -11,7 +11,12 @@ head's backward gather is `optional`: XLA's CSE sometimes reuses the forward cop
 does not (seen both ways on one mesh at different batch sizes). With accumulation the layer
 gathers repeat per micro-batch; the loop-invariant ones (embedding, final norm, head) are hoisted
 out of the micro-batch loop. A remat policy gathers the layers' RMSNorm scales once more for the
-replayed forward. The gradient reduce-scatter is part of the data axes' reduction (`strategies/dp`).
+replayed forward; the matmul weights gathered for the backward serve the replay too, those of
+tensor parallelism's column groups (q, k, v; gate, up) because they are gathered before the
+group's region, not at its entry (`remat.gathered_before`): at the entry the replayed region and its
+transpose gathered 5 of a layer's 7 weights twice (1.21x the formula's gathers on pp2 x fsdp2 x
+tp2, 1.30x on dp2 x fsdp2 x tp2). The gradient reduce-scatter is part of the data axes' reduction
+(`strategies/dp`).
 ZeRO-3 over `dp` is FSDP over (dp, fsdp): the same gathers, over both axes. With
 `plan.grad_sync=step` and micro-batches the parameters are gathered once, at the start of the
 step, and held whole over these axes until its end (`dp.memory` counts them): one all-gather per
@@ -65,7 +70,7 @@ def collectives(spec) -> list[Comm]:
 
     def runs(leaf):
         return outer_runs(spec, leaf) if pipelined else 1
-    layer_f = layer_b = outer_f = outer_b = head = norms = 0.0
+    layer_f = layer_b = least_b = outer_f = outer_b = head = norms = 0.0
     count_f = count_b = 0
     own = {leaf.path for leaf in zeropp.sites(spec)} if zeropp.active(spec) else set()
     for leaf in leaves(spec.model):
@@ -74,12 +79,15 @@ def collectives(spec) -> list[Comm]:
         size = leaf.run_size(spec, drop=("fsdp",)) * pb
         count_f += int(spec.layers_per_device if leaf.stacked else 1)      # gathers issued
         if leaf.path.startswith("layers/"):
-            quantised = qat.ring_gathers(spec, leaf)     # collective matmul on 8-bit weights
-            layer_f += size if quantised is None else quantised[0]
+            q = qat.weight_gathers(spec, leaf)       # QAT's 8-bit weights
+            layer_f += size if q is None else q.forward
+            count_f += 0 if q is None else (q.forward_count - 1) * int(spec.layers_per_device)
             if grouped(spec) and ("experts" in leaf.axes or leaf.use == "router"):
                 continue     # the grouped experts keep their gathered weights and the router
-            layer_b += size if quantised is None else quantised[1]
-            count_b += int(spec.layers_per_device if leaf.stacked else 1)
+            layer_b += size if q is None else q.backward
+            least_b += size if q is None else q.backward_minimum
+            count_b += int(spec.layers_per_device if leaf.stacked else 1) * (
+                1 if q is None else q.backward_count)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
         elif leaf.path == "head":
             outer_f += size * runs(leaf)
@@ -93,7 +101,8 @@ def collectives(spec) -> list[Comm]:
                 "parameters, forward", group=n, overlap=True),
            Comm("all-gather", axes, layer_b * k + outer_b, count_b * k,
                 "layer parameters and final norm, backward (the embedding is not regathered)",
-                group=n, overlap=True)]
+                group=n, overlap=True,
+                minimum=least_b * k + outer_b if least_b < layer_b else None)]
     if spec.remat not in ("none", ""):
         # the replayed forward gathers the RMSNorm scales again (the matmul weights gathered
         # for the backward serve the replay too)
@@ -142,3 +151,6 @@ def memory(spec) -> list[Term]:
 
 def label(spec) -> list[str]:
     return []
+
+
+# ----------------------------------------------------------------------------- the step

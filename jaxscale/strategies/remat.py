@@ -17,11 +17,13 @@ activations are rebuilt while its backward runs. Costs: full remat replays each 
 but its last matmul (whose output no backward needs), so block FLOPs grow a little under 4/3
 (`jaxscale.planner.perf.recompute_per_token` has the exact replay). Collectives: under TP the
 replayed forward repeats the attention-output all-reduce (unless `o_proj` is kept); under FSDP
-it gathers the RMSNorm scales again (see `strategies/tp`, `fsdp.py`). Offload adds device<->host
-copies (PCIe bandwidth) instead of recompute.
+it gathers the RMSNorm scales again, and shares the weights the backward gathers (see
+`strategies/tp`, `fsdp.py`: a region replayed under a policy, `replayed()`, has its weights
+gathered before it). Offload adds device<->host copies (PCIe bandwidth) instead of recompute.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Callable
 
 from jaxscale.strategies.common import Term, problems_of
@@ -153,15 +155,85 @@ def checkpoint_policy(policy: str):
 
 
 def block_wrapper(policy: str) -> Callable | None:
-    """What the model applies to each block's pure function: `jax.checkpoint` with the policy."""
+    """What the model applies to each block's pure function: `jax.checkpoint` with the policy,
+    tracing the block under `replayed()`."""
     import jax
     if parse(policy) == "none":
         return None
     saved = checkpoint_policy(policy)
-    return lambda f: jax.checkpoint(f, policy=saved)
+
+    def wrap(f):
+        def block(*args, **kw):
+            token = _REPLAYED.set(True)
+            try:
+                return f(*args, **kw)
+            finally:
+                _REPLAYED.reset(token)
+        return jax.checkpoint(block, policy=saved)
+    return wrap
+
+
+_REPLAYED: contextvars.ContextVar = contextvars.ContextVar("jaxscale_remat_replayed",
+                                                           default=False)
+
+
+def replayed() -> bool:
+    """Whether the code being traced is a block under a remat policy, whose forward the backward
+    replays: a region gathering its weights at its entry would gather them once in the replay
+    and once more in its transpose (`strategies/tp/columns.py` gathers them before instead)."""
+    return _REPLAYED.get()
 
 
 def shape_step(spec, parts) -> None:
     """The step: every block's pure function wrapped in `jax.checkpoint` with the policy."""
     if active(spec):
         parts.set("block_wrapper", block_wrapper(spec.remat), by=NAME)
+
+
+# ----------------------------------------------------------------------------- FSDP's gathers
+def gathered_before(region, mesh, rules, x_spec, w_specs, w_names):
+    """`region(x, scales, *ws)` (a `jax.shard_map` manual over tp whose weights enter split over
+    the gather axes, GSPMD gathering them at its entry) with the weights gathered before it,
+    where a remat policy replays it (`replayed`): its replay and its transpose are two
+    regions, and each would gather the weights at its own entry (the column groups' 5 matmul
+    weights of a layer twice in the backward); gathered outside, both read one copy. Inside a
+    `jax.checkpoint` of its own, so the copy is recomputed for the backward, never kept.
+
+    The weight gradient is reduced at the gathered layout (all-reduce + slice on XLA:CPU, a
+    reduce-scatter on GPUs, the formula's) where the axes it is gathered over are the only
+    automatic axes splitting the tokens (`x_spec`); else (dp, ep or sp splitting them too) GSPMD
+    reduces it into the weight's own layout. Not under ZeRO++, whose seam gathers each weight
+    inside the region, in its own format."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxscale.axes import entry_axes
+    from jaxscale.hooks import implementation
+    if not replayed() or implementation("gather") is not None:
+        return region
+    kept = {a for s in w_specs for e in s for a in entry_axes(e)}
+    gathered = {a for n in w_names for e in rules.spec(n) for a in entry_axes(e)} - kept
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    here = all(a in gathered or mesh.shape[a] == 1 or types[a] == jax.sharding.AxisType.Manual
+               for a in {a for e in x_spec for a in entry_axes(e)} - kept)
+    shardings = tuple(NamedSharding(mesh, s) for s in w_specs)
+
+    def run(x, scales, *ws):
+        return region(x, scales, *(_gather(w, s, here) for w, s in zip(ws, shardings)))
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False)
+
+
+def _gather(w, sharding, reduce_here: bool):
+    """`w` laid out as `sharding`; its cotangent constrained to it too (reduced there) or, not
+    `reduce_here`, passed on as it is."""
+    import jax
+
+    @jax.custom_vjp
+    def gather(w):
+        return jax.lax.with_sharding_constraint(w, sharding)
+
+    def bwd(_, g):
+        return (jax.lax.with_sharding_constraint(g, sharding) if reduce_here else g,)
+    gather.defvjp(lambda w: (gather(w), None), bwd)
+    return gather(w)

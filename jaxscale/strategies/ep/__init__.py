@@ -38,7 +38,7 @@ import math
 
 from jaxscale.axes import MESH_AXES
 from jaxscale.hooks import register
-from jaxscale.strategies import remat
+from jaxscale.strategies import dp, remat
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.ep import grouped as grouped_lib
 from jaxscale.strategies.ep import slots
@@ -131,9 +131,11 @@ def collectives(spec) -> list[Comm]:
 
 
 def _token_axes(spec) -> tuple[str, ...]:
-    """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's)."""
+    """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's),
+    less those of the data region the step runs in (`dp.sync_axes`): it sums the statistics over
+    them once, with the loss."""
     axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
-    return tuple(a for a in MESH_AXES if a in axes)
+    return tuple(a for a in MESH_AXES if a in axes and a not in dp.sync_axes(spec))
 
 
 def memory(spec) -> list[Term]:

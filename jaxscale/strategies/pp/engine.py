@@ -34,6 +34,7 @@ from jaxscale.strategies.common import PROBE
 from jaxscale.strategies.pp import stages as st
 from jaxscale.strategies.pp.program import DOWN, FIELDS, UP, program_for
 from jaxscale.strategies.pp.stage import Stage
+from jaxscale.strategies.tables.activations import grouped
 
 
 def make_grads_fn(model, placement, parts, forward_only: bool = False):
@@ -46,6 +47,9 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
     starts = jnp.asarray(st.offsets(st.counts(spec)), jnp.int32)
     view, probe, moe = parts.batch_view, parts.probe, model.cfg.moe_experts > 0
     on_cpu = mesh.devices.flat[0].platform == "cpu"
+    cfg = model.cfg       # a capacity-mode MoE layer's slot buffer: [experts, rows, C, ...]
+    buffer = (cfg.moe_experts, cfg.moe_capacity(spec.seq)) if spec.moe and not grouped(spec) \
+        else None
     param_spec = jax.tree_util.tree_map_with_path(
         lambda path, _: P("pp") if st.is_layers(path) else P(), model.abstract_params)
     col = {f: i for i, f in enumerate(FIELDS)}
@@ -91,12 +95,13 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
             kept = {} if forward_only else {n: _residuals(ops, block(0, n), x_shape, mb0,
                                                           scales_of(0, n)) for n in lengths}
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
-        along = current(mesh, placement.rules)[1].spec(("batch", "norm_seq", "embed"))
+        rules = current(mesh, placement.rules)[1]
+        along = rules.spec(("batch", "norm_seq", "embed"))
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
+        layout = _token_layout(rules, x_shape.shape[:2], buffer)
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
-               "res": [] if forward_only else [_slots(prog.slots["res"], s, host,
-                                                      x_shape.shape[:2], along[0])
+               "res": [] if forward_only else [_slots(prog.slots["res"], s, host, layout)
                                                for s, host in zip(*kept[rows][2:])],
                "tape": jax.tree.map(lambda s: zeros(prog.slots["tape"], s),
                                     jax.eval_shape(lambda: ops.zero_taps(rows)))
@@ -258,18 +263,41 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
 
 
 # ----------------------------------------------------------------------------- residual slots
-def _slots(n, shape, host: bool, rows_seq: tuple[int, int], over):
+def _token_layout(rules, rows_seq: tuple[int, int], buffer: tuple[int, int] | None):
+    """dims -> the layout the stage gives a residual of the micro-batch's tokens (entries per
+    dimension, `P.UNCONSTRAINED` where it is free), or None for another residual. A slot buffer
+    of the layer stack ([layers, E, rows, C, ...]: `buffer` = (E, C)) has its experts over their
+    axes and its rows over the batch's other axes; any other residual with a [rows, seq] pair
+    among its dimensions has those rows over the batch's axes. The buffer is told apart first:
+    its [rows, C] is such a pair where C = seq, and laid out by the pair its rows would take the
+    experts' axes too (ep), every write and read an all-to-all."""
+    rows, _ = rows_seq
+    both = rules.spec(("experts", "batch"))
+    batch = rules.spec(("batch",))[0]
+
+    def layout(dims):
+        out = [P.UNCONSTRAINED] * len(dims)
+        if buffer is not None and tuple(dims[1:4]) == (buffer[0], rows, buffer[1]):
+            out[1], out[2] = both[0], both[1]
+            return out
+        at = next((i for i in range(len(dims) - 1) if tuple(dims[i:i + 2]) == tuple(rows_seq)),
+                  None)
+        if at is None or batch is None:
+            return None
+        out[at] = batch
+        return out
+    return layout
+
+
+def _slots(n, shape, host: bool, layout):
     """n slots for a residual, in host memory for one the remat policy offloads. A residual of
-    the micro-batch's tokens (a [batch, seq] pair among its dimensions) is split over the batch's
-    axes as the stage computes it: left to GSPMD, the slots can take the weights' layout (the
-    model dimension over fsdp) and every write and read would reshard them with all-to-alls."""
+    the micro-batch's tokens is laid out in its slots as the stage computes it (`layout`, see
+    `_token_layout`): left to GSPMD, the slots can take the weights' layout (the model dimension
+    over fsdp) and every write and read would reshard them with all-to-alls."""
     z = jnp.zeros((n, *shape.shape), shape.dtype)
-    dims = shape.shape
-    at = next((i for i in range(len(dims) - 1) if tuple(dims[i:i + 2]) == tuple(rows_seq)), None)
-    if over is not None and at is not None:
-        spec = [P.UNCONSTRAINED] * (len(dims) + 1)
-        spec[0], spec[at + 1] = None, over
-        z = jax.lax.with_sharding_constraint(z, P(*spec))
+    spec = layout(shape.shape)
+    if spec is not None:
+        z = jax.lax.with_sharding_constraint(z, P(None, *spec))
     return jax.device_put(z, jax.memory.Space.Host) if host else z
 
 

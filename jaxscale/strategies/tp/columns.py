@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.axes import active, entry_axes, manual, on_shards
 from jaxscale.hooks.projection import SCALES, layer_input, project, this_layer
+from jaxscale.strategies import remat
 
 AXIS = "tp"
 
@@ -77,8 +78,13 @@ def columns(eq, x, ws, sites, names, mesh, rules):
 
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False)
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()) + w_specs, out_specs=o_specs,
-                         axis_names=set(axes), check_vma=False)(x, scales, *ws)
+    region = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()) + w_specs, out_specs=o_specs,
+                           axis_names=set(axes), check_vma=False)
+    # under a remat policy FSDP gathers the weights before the region, once for its replay and
+    # its transpose
+    region = remat.gathered_before(region, mesh, rules, full[:x.ndim], w_specs,
+                                  tuple(n[1] for n in names))
+    return region(x, scales, *ws)
 
 
 def averaged(value, axes):
