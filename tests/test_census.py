@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.analysis import hlo, inspect
 from jaxscale.mesh import MeshConfig, make_mesh
+from jaxscale.strategies.common import Comm
 from tests.helpers import PLANS, tiny_config
 
 
@@ -65,6 +66,30 @@ def test_all_gather_and_reduce_scatter_bytes():
                               P("fsdp"))
     ag = [r for r in inspect.census(text, mesh) if r["kind"] == "all-gather"]
     assert ag and ag[0]["bytes"] == 8 * 64 * 4 and ag[0]["axes"] == ["fsdp"]
+
+
+def test_theory_rows_apart_that_xla_merges_into_one_group_are_named():
+    """A census row over (ep, sp) that the theory lacks, where the theory's ep and sp rows each
+    carry more than the census: the rows stay as measured (no ratio hides the difference) and
+    the notes name the merged group and the rows to merge; a row the theory does carry gets no
+    such note."""
+    theory = [Comm("all-reduce", ("ep",), 300.0, 2, "norms and weights"),
+              Comm("all-reduce", ("sp",), 200.0, 1, "weights over the sequence shards"),
+              Comm("all-reduce", ("tp",), 64.0, 1, "activations")]
+    observed = [{"kind": "all-reduce", "axes": ["ep"], "bytes": 100},
+                {"kind": "all-reduce", "axes": ["ep", "sp"], "bytes": 200},
+                {"kind": "all-reduce", "axes": ["tp"], "bytes": 64}]
+    rows = {tuple(r["axes"]): r for r in inspect.theory_vs_census(theory, observed)}
+    assert [(a, r["theory_bytes"], r["census_bytes"]) for a, r in rows.items()] == [
+        (("ep",), 300, 100), (("ep", "sp"), 0, 200), (("sp",), 200, 0), (("tp",), 64, 64)]
+    assert rows[("ep", "sp")]["ratio"] is None and rows[("sp",)]["ratio"] == 0
+    assert "XLA reduces over (ep, sp) at once, where the theory counts (ep) and (sp) apart" in \
+        rows[("ep", "sp")]["note"]
+    assert "reduced by XLA over (ep, sp) at once" in rows[("ep",)]["note"]
+    assert "reduced by XLA over (ep, sp) at once" in rows[("sp",)]["note"]
+    assert rows[("tp",)]["note"] == ""
+    exact = [Comm("all-reduce", ("ep", "sp"), 200.0), Comm("all-reduce", ("ep",), 100.0)]
+    assert all(r["note"] == "" for r in inspect.theory_vs_census(exact, observed[:2]))
 
 
 # ----------------------------------------------------------------------------- plans

@@ -20,6 +20,7 @@ from jaxscale.axes import Rules, use_rules
 from jaxscale.kernels.reference import reference_attention
 from jaxscale.mesh import MeshConfig, make_mesh
 from jaxscale.strategies.sp.context import collective_counts, context_attention
+from jaxscale.strategies.sp.heads import ulysses_slots
 from jaxscale.strategies.sp.seq_layout import (
     from_layout,
     hop_pairs,
@@ -33,16 +34,15 @@ from jaxscale.strategies.sp.seq_layout import (
 D = 8
 ALL = ("ring", "ulysses", "allgather")
 # name: (mesh degrees, B, T, H, K, causal, segments, layout, implementation, methods)
-# Ulysses needs sp | K, so its MQA and small-K cases are the error test below. Lengths: 36/2 and
+# Ulysses pads where sp does not divide the heads (`sp/heads.py`): the MQA cases send the one kv
+# head to every shard, the 3-head case a zero head and kv heads twice. Lengths: 36/2 and
 # 40/4 and 48/8 give zig-zag chunks of 9, 5 and 3 rows (not multiples of the blockwise tile 8);
 # 18 is not divisible by 2*sp = 4, so that case runs contiguous.
 CASES = {
     "sp2-gqa-causal-seg-odd": (dict(sp=2), 2, 36, 4, 2, True, True, "zigzag", "blockwise", ALL),
-    "sp2-mqa-causal-contig": (dict(sp=2), 2, 18, 4, 1, True, False, "contiguous", "xla",
-                              ("ring", "allgather")),
+    "sp2-mqa-causal-contig": (dict(sp=2), 2, 18, 4, 1, True, False, "contiguous", "xla", ALL),
     "sp4-gqa-causal-seg-odd": (dict(sp=4), 2, 40, 8, 4, True, True, "zigzag", "xla", ALL),
-    "sp4-mqa-full-seg": (dict(sp=4), 1, 32, 4, 1, False, True, "zigzag", "blockwise",
-                         ("ring", "allgather")),
+    "sp4-mqa-full-seg": (dict(sp=4), 1, 32, 4, 1, False, True, "zigzag", "blockwise", ALL),
     "sp8-gqa-causal-odd": (dict(sp=8), 1, 48, 16, 8, True, False, "zigzag", "xla", ALL),
     "sp8-gqa-causal-seg-contig": (dict(sp=8), 1, 64, 4, 2, True, True, "contiguous", "blockwise",
                                   ("ring",)),
@@ -51,6 +51,8 @@ CASES = {
                               ("ring", "ulysses")),
     "sp2xtp2-heads-over-tp": (dict(sp=2, tp=2), 1, 32, 8, 4, True, True, "zigzag", "xla", ALL),
     "sp2-pallas": (dict(sp=2), 1, 32, 4, 2, True, True, "zigzag", "pallas", ("ring",)),
+    "sp2xtp2-3-heads-per-rank": (dict(sp=2, tp=2), 1, 32, 6, 2, True, True, "zigzag", "blockwise",
+                                 ("ulysses",)),
 }
 PARAMS = [pytest.param(name, m, id=f"{name}-{m}") for name, c in CASES.items() for m in c[-1]]
 
@@ -157,6 +159,46 @@ def test_forward_census_and_bytes(method):
         assert nbytes["all-to-all"] == B * (T // sp) * (2 * H + 2 * K) * D * 4
 
 
+@pytest.mark.parametrize("H, K, sp, q_slots, kv_slots", [
+    # 3 q heads, 1 kv head over 2 shards: q (0, 1 | 2, zero), the kv head to both shards
+    (3, 1, 2, ((0, 1), (2, -1)), ((0,), (0,))),
+    # 6 q heads in 2 groups of 3 over 4 shards: shard 1's q heads 2, 3 read kv heads 0 and 1, so
+    # every shard takes one kv slot per q slot; shard 3 takes zero heads only
+    (6, 2, 4, ((0, 1), (2, 3), (4, 5), (-1, -1)), ((0, 0), (0, 1), (1, 1), (-1, -1))),
+    # 8 q heads, 4 kv heads over 8 shards: one q head each, each kv head to two shards
+    (8, 4, 8, tuple((h,) for h in range(8)), tuple((h // 2,) for h in range(8))),
+    # divisible: no padding, the heads in order (4 q heads and 2 kv heads a shard)
+    (8, 4, 2, ((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1), (2, 3))),
+])
+def test_ulysses_slots_pad_the_heads_sp_does_not_divide(H, K, sp, q_slots, kv_slots):
+    s = ulysses_slots(H, K, sp)
+    assert (s.q, s.kv) == (q_slots, kv_slots)
+    assert s.padded == (H % sp > 0 or K % sp > 0)
+    # every real q head reads its own kv head (group H / K) from its shard's kv slot
+    for qs, ks in zip(s.q, s.kv):
+        for j, h in enumerate(qs):
+            assert h < 0 or ks[j // (s.nq // s.nk)] == h // (H // K)
+
+
+def test_ulysses_moves_the_padded_slots():
+    """Forward only, sp=4, 6 q and 2 kv heads: each all-to-all carries 2 q or 2 kv slots per
+    shard (8 of each per token, against 6 and 2 heads), and the output matches one device."""
+    sp, B, T, H, K = 4, 1, 32, 6, 2
+    mesh = _mesh(dict(sp=sp))
+    sh = NamedSharding(mesh, P(None, "sp", None, None))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, T, n, D), np.float32) for n in (H, K, K))
+    f = jax.jit(lambda q, k, v: context_attention(q, k, v, mesh=mesh, method="ulysses",
+                                                  layout="contiguous"))
+    args = [jax.device_put(x, sh) for x in (q, k, v)]
+    compiled = f.lower(*args).compile()
+    rows = census(compiled.as_text(), mesh)
+    assert _counts(rows) == {"all-to-all": 4}
+    assert rows[0]["bytes"] == B * (T // sp) * (2 * 8 + 2 * 8) * D * 4
+    want = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(compiled(*args)), want, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- layouts
 def test_zigzag_layout():
     assert layout_positions(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
@@ -209,8 +251,6 @@ def test_zigzag_balances_causal_work():
 def test_errors_name_the_numbers():
     mesh = _mesh(dict(sp=2))
     q, kv1 = jnp.zeros((1, 16, 4, D)), jnp.zeros((1, 16, 1, D))
-    with pytest.raises(ValueError, match=r"1 kv heads per shard are not divisible by sp=2"):
-        context_attention(q, kv1, kv1, mesh=mesh, method="ulysses")
     q18, kv18 = jnp.zeros((1, 18, 4, D)), jnp.zeros((1, 18, 2, D))
     with pytest.raises(ValueError, match=r"length 18 is not divisible by 4.*contiguous"):
         context_attention(q18, kv18, kv18, mesh=mesh, method="ring")

@@ -104,6 +104,39 @@ def test_fsdp_with_collective_matmul_matches_one_device_and_the_formula():
         assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-3), row
 
 
+#: 6 heads over 2 kv heads (3 and 1 per tp rank), ffn 224, 5 layers, vocabulary 509
+ODD = ("model.dim=96", "model.n_heads=6", "model.n_kv_heads=2", "model.ffn_dim=224",
+       "model.n_layers=5", "model.vocab_size=509", "data.seq_len=64")
+
+
+@pytest.mark.parametrize("model, layout, merged, tol", [
+    (("model.moe_experts=4",), ("mesh.dp=1", "mesh.ep=2", "plan.context=ulysses"), ("ep", "sp"),
+     numerics.MOE),
+    ((), ("mesh.dp=2", "mesh.ep=1", "plan.context=ring"), ("dp", "sp"), numerics.FP32),
+], ids=["MoE ep2 x sp2 x tp2 Ulysses", "dp2 x sp2 x tp2 ring"])
+def test_the_region_reduces_block_weights_once_over_the_merged_axes(model, layout, merged, tol):
+    """The collective matmul's region runs over the whole mesh: its transpose sums each block
+    weight's gradient over every axis the weight is whole on (the data axes and sp) in one
+    all-reduce, and the formula has that one row (not one over the data axes and another over
+    sp). By hand, per layer the tp shards of q, k, v, o (D hd (2H + 2K) / tp fp32) and of a dense
+    MLP's gate, up, down (3 D F / tp); a MoE layer's experts reduce in their own region. On the
+    odd shapes, against one device."""
+    got = numerics.run((*ODD, *model, *layout, "mesh.fsdp=1", "mesh.sp=2", "mesh.tp=2",
+                        "plan.sequence_parallel=true", CM))
+    numerics.assert_matches(got, numerics.one_device(*ODD, *model), tol)
+    cfg = got.setup.cfg
+    spec = plan.Spec.from_config(cfg, 8)
+    census = inspect.census(got.text, got.setup.placement.mesh)
+    rows = inspect.theory_vs_census(plan.collectives(spec), census)
+    for row in rows:
+        assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-3), row
+    m = cfg.model
+    per_layer = m.dim * m.hd * (2 * m.n_heads + 2 * m.n_kv_heads) // 2 * 4
+    per_layer += 0 if m.moe_experts else 3 * m.dim * m.ffn_dim // 2 * 4
+    (row,) = [r for r in rows if tuple(r["axes"]) == merged]
+    assert row["census_bytes"] == row["theory_bytes"] == m.n_layers * per_layer
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_qat_operands_through_the_rings_match_one_device_and_the_formula(method):
     """QAT with collective matmul on fsdp2 x tp4: the rings carry 8-bit chunks (int8 with its

@@ -125,7 +125,32 @@ def theory_vs_census(theory: list[Comm], observed: list[dict], backend: str = "c
                      "census_bytes": int(census_bytes), "minimum_bytes": int(minimum),
                      "ratio": census_bytes / theory_bytes if theory_bytes else None,
                      "what": "; ".join(what), "note": "; ".join(notes)})
+    _merged_groups(rows)
     return rows
+
+
+def _merged_groups(rows: list[dict]) -> None:
+    """Note where XLA reduces over several mesh axes in one collective (one replica group over
+    the merged axes) that the formulas count as separate rows over some of them: a census row
+    the theory lacks, whose axes the theory's rows of its kind over fewer axes, each carrying
+    more than the census there, cover together. The rows stay as they are (the census's grouping
+    is XLA's, the formula's to match); the note names the rows to merge."""
+    for row in rows:
+        if row["theory_bytes"] or len(row["axes"]) < 2:
+            continue
+        parts = [r for r in rows if r is not row and r["kind"] == row["kind"] and r["axes"]
+                 and set(r["axes"]) < set(row["axes"]) and r["theory_bytes"] > r["census_bytes"]]
+        if set().union(*(set(r["axes"]) for r in parts)) != set(row["axes"]):
+            continue
+        group = "(" + ", ".join(row["axes"]) + ")"
+        names = " and ".join("(" + ", ".join(r["axes"]) + ")" for r in parts)
+        _note(row, f"XLA reduces over {group} at once, where the theory counts {names} apart")
+        for r in parts:
+            _note(r, f"part of it reduced by XLA over {group} at once")
+
+
+def _note(row: dict, text: str) -> None:
+    row["note"] = "; ".join(n for n in (row["note"], text) if n)
 
 
 def format_report(rep: dict) -> str:

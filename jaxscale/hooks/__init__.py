@@ -13,6 +13,11 @@ The model calls three hooks, each with a plain default and nothing of any strate
 - `projection.project` also passes every weight through the rules' `gather` seam first, when
   one is named: how the weight arrives whole for its matmul and how its gradient leaves
   (ZeRO++'s quantised and hierarchical gathers and quantised reduction);
+- `projection.project` runs a matmul that reads or writes the residual stream (logical
+  `norm_seq`: the LM head, the row-parallel o and down) by the implementation registered under
+  the rules' `stream` seam, given the local matmul to call (Megatron sequence parallelism's:
+  the row matmuls in a region that reduce-scatters to the sequence shards, the head's input
+  gathered once);
 - `projection.project_grouped`: the experts' grouped matmuls (rows sorted by expert); by the
   implementation registered under the rules' `grouped` seam (8-bit QAT);
 - `experts.to_experts` / `from_experts` / `grouped`: a mixture of experts' dispatch of
@@ -32,7 +37,8 @@ from jaxscale.axes import active
 
 #: seam -> name -> implementation
 SEAMS: dict[str, dict[str, Callable]] = {"context": {}, "projection": {}, "columns": {},
-                                          "experts": {}, "grouped": {}, "gather": {}}
+                                          "experts": {}, "grouped": {}, "gather": {},
+                                          "stream": {}}
 
 
 def register(seam: str, name: str):

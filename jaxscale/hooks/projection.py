@@ -7,7 +7,10 @@ rules name no implementation for the `projection` seam, it is `einsum(eq, x, w.a
 (`plain`). A strategy that changes how the matmuls run (tensor-parallel matmuls overlapped with
 their collectives, 8-bit quantisation-aware training) registers an implementation
 `fn(eq, x, w, site, names, mesh, rules, **kw)` with `jaxscale.hooks.register("projection", name)`
-and names it in its `rules`; the model itself never learns which one runs.
+and names it in its `rules`; the model itself never learns which one runs. A matmul reading or
+writing the residual stream (`norm_seq` in its input's or output's names) goes first through
+the `stream` seam, `fn(eq, x, w, site, names, mesh, rules, inner)`, which may run `inner(x, w)`
+(the weight's `gather` seam, then `projection`) on other operands, in a region of its own.
 """
 from __future__ import annotations
 
@@ -55,6 +58,18 @@ def project_grouped(xs_RD, w_EDF, sizes_E, site: str):
 
 
 def _project(eq, x, w, site, names, **kw):
+    """The matmul of a weight as it arrives: by the implementation the active rules name for
+    the `stream` seam where it reads or writes the residual stream (`norm_seq`: the head, the
+    row-parallel o and down), with `_gathered` as its local matmul; else `_gathered`."""
+    found = implementation("stream") if "norm_seq" in names[0] + names[2] else None
+    if found is None:
+        return _gathered(eq, x, w, site, names, **kw)
+    fn, mesh, rules = found
+    return fn(eq, x, w, site, names, mesh, rules,
+              lambda x, w: _gathered(eq, x, w, site, names, **kw))
+
+
+def _gathered(eq, x, w, site, names, **kw):
     found = implementation("gather")
     if found is None:
         return compute(eq, x, w, site, names, **kw)

@@ -59,6 +59,7 @@ from jaxscale.strategies.offload import tiers
 from jaxscale.strategies.pp import bubble_fraction, stages
 from jaxscale.strategies.precision import compute_dtype
 from jaxscale.strategies.remat import actions
+from jaxscale.strategies.sp import head_padding
 from jaxscale.strategies.tables.flops import layer_flops_per_token, moe_rows
 
 #: a fused attention kernel's efficiency relative to the profile's (cuDNN / FlashAttention class)
@@ -110,6 +111,7 @@ def flops(spec) -> Flops:
     m = spec.model
     causal_kernel = spec.attention != "xla"
     parts = layer_flops_per_token(m, spec.seq, causal_kernel, *moe_rows(spec))
+    parts["attention"] *= head_padding(spec)       # Ulysses' zero heads (`strategies/sp`)
     per_layer = sum(parts.values())
     head = 2 * m.dim * m.padded_vocab
     tokens = spec.batch * spec.seq / (spec.data_degree * spec.deg("sp")) / spec.deg("tp")

@@ -207,6 +207,7 @@ def collectives(spec) -> list[Comm]:
                 add("all-reduce", rest + ["sp"] * seq, size, reps, "expert weight gradients "
                     "over the replicas and the sequence shards (the grouped experts' region)")
             continue
+        cm = spec.tp_overlap != "none" and leaf.stacked      # in the collective matmul's region
         if zero >= 2 and "dp" in rest:
             # a layer's matmul weights (in the scan) with ep among the replicas: XLA reduces
             # over ep in the same group (the head, outside it, over ep after)
@@ -218,16 +219,15 @@ def collectives(spec) -> list[Comm]:
         elif "fsdp" in rest:
             # a block weight of the collective matmul is gathered over fsdp in its region: the
             # gather's transpose is a reduce-scatter there, which XLA:CPU emits as one
-            ring = spec.tp_overlap != "none" and leaf.stacked
-            add("psum-scatter" if ring else "reduce-scatter", ["fsdp"], size, reps,
-                "matmul weight gradients" + (" (the collective matmul's region)" if ring else ""))
+            add("psum-scatter" if cm else "reduce-scatter", ["fsdp"], size, reps,
+                "matmul weight gradients" + (" (the collective matmul's region)" if cm else ""))
             rest.remove("fsdp")
             size /= spec.deg("fsdp")
-        if rest and seq and "fsdp" in inner:
+        if (rest and seq and "fsdp" in inner) or ((rest or seq) and cm):
             # after fsdp's reduce-scatter XLA reduces the other data axes and the sequence
-            # shards in one all-reduce
-            add("all-reduce", rest + ["sp"], size, reps, "matmul weight gradients over the "
-                "replicas and the sequence shards at once (after fsdp's reduce-scatter)")
+            # shards in one all-reduce; so does the collective matmul's region (whole mesh)
+            add("all-reduce", rest + ["sp"] * seq, size, reps, "matmul weight gradients over the"
+                " replicas and the sequence shards at once")
             continue
         if rest:
             add("all-reduce", rest, size, reps, "gradients over the replicas")

@@ -20,8 +20,9 @@ collectives on the critical path, per layer and micro-batch:
 - `ring` (Ring Attention): K/V blocks pass around the ring, (sp - 1) collective-permutes of the
   local K/V block forward, twice that backward (K/V again and their gradients);
 - `ulysses` (DeepSpeed-Ulysses): all-to-alls from sequence- to head-sharded q, k, v and back for
-  the output, forward and backward (per-link volume 4Nh/P); sp must divide the kv heads per tp
-  rank;
+  the output, forward and backward (per-link volume 4Nh/P); where sp does not divide the q or kv
+  heads per tp rank, each sp shard gets ceil(heads/sp) q slots (zero heads past the last) and
+  the kv heads they read, the all-to-alls carrying the slots (`heads.py`);
 - `allgather`: K/V all-gathered forward, their gradients reduce-scattered backward.
 The weight gradients are reduced over sp as over a data axis (`strategies/dp`).
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term, permutes
 from jaxscale.strategies.remat import actions
+from jaxscale.strategies.sp.heads import exchanged_heads
 from jaxscale.strategies.tables.activations import tokens_split
 
 NAME = "sp"
@@ -42,17 +44,13 @@ def active(spec) -> bool:
 
 
 def problems(spec) -> list[str]:
-    m, sp, t, errs = spec.model, spec.deg("sp"), spec.deg("tp"), []
+    sp, t, errs = spec.deg("sp"), spec.deg("tp"), []
     if sp > 1:
         if spec.seq % (2 * sp):
             errs.append(f"context parallelism cuts data.seq_len={spec.seq} into 2 x mesh.sp = "
                         f"{2 * sp} zig-zag chunks: use a multiple of {2 * sp}")
         if spec.context not in CONTEXTS:
             errs.append(f"plan.context={spec.context!r}: valid are {', '.join(CONTEXTS)}")
-        if spec.context == "ulysses" and ((m.n_heads // t) % sp or (m.n_kv_heads // t) % sp):
-            errs.append(f"Ulysses attention redistributes heads: the {m.n_heads // t} query and "
-                        f"{m.n_kv_heads // t} kv heads per tp rank must be divisible by "
-                        f"mesh.sp={sp} (use plan.context=ring)")
     if spec.sequence_parallel and t == 1:
         errs.append("plan.sequence_parallel=true splits the residual stream over mesh.tp, but "
                     "mesh.tp=1: set mesh.tp > 1, or use mesh.sp for context parallelism")
@@ -135,9 +133,26 @@ def collectives(spec) -> list[Comm]:
                      group=sp),
                 Comm("reduce-scatter", ("sp",), kv * sp * L * k, int(L * k),
                      "dK/dV reduced to their sequence shards, backward", group=sp)]
-    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) * m.hd / t * beta
-    return [Comm("all-to-all", ("sp",), (2 + replay) * qkvo * L * k, int((8 + 4 * replay) * L * k),
-                 "Ulysses: q, k, v, out forward and backward" + again, group=sp)]
+    H, K = m.n_heads // t, m.n_kv_heads // t
+    nq, nk = exchanged_heads(H, K, sp)          # head slots, padded where sp does not divide
+    rq, rk = exchanged_heads(H, K, sp, real=True)     # the slots holding a head (`heads.py`)
+    per = tokens * m.hd * beta * (2 + replay) * L * k
+    pad = ("" if (nq, nk) == (H, K) else
+           f" ({nq} q and {nk} kv head slots for {H} and {K} heads: zero heads, and kv heads "
+           f"sent to each shard whose q heads read them, where sp does not divide them)")
+    return [Comm("all-to-all", ("sp",), (2 * nq + 2 * nk) * per, int((8 + 4 * replay) * L * k),
+                 "Ulysses: q, k, v, out forward and backward" + again + pad, group=sp,
+                 minimum=(2 * rq + 2 * rk) * per)]
+
+
+def head_padding(spec) -> float:
+    """The attention's heads computed per real head: Ulysses' q slots over the q heads of a tp
+    rank (zero heads where sp does not divide them, `heads.py`), else 1."""
+    if spec.deg("sp") == 1 or spec.context != "ulysses":
+        return 1.0
+    t = spec.deg("tp")
+    H = spec.model.n_heads // t
+    return exchanged_heads(H, spec.model.n_kv_heads // t, spec.deg("sp"))[0] / H
 
 
 def memory(spec) -> list[Term]:
@@ -154,7 +169,9 @@ def memory(spec) -> list[Term]:
     if spec.context == "ulysses":
         if spec.attention != "blockwise":
             return []
-        b, tiles, heads = min(512, spec.seq), 4, heads / sp
+        t = spec.deg("tp")
+        b, tiles = min(512, spec.seq), 4
+        heads = exchanged_heads(spec.model.n_heads // t, spec.model.n_kv_heads // t, sp)[0] / sp
     elif spec.device_kind == "cpu" or spec.attention == "blockwise":
         b, tiles = min(512, spec.local_seq), 2 * sp
     else:

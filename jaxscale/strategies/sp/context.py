@@ -15,7 +15,9 @@ them (the tests count both). "K/V block" = the local k and v stacked, 2·B·(T/s
   head-sharded, the output back), backward 4 (their transposes). The attention in between is
   ordinary full-sequence attention on H/sp heads (any implementation, cuDNN included); q, k, v, o
   keep their per-device size, and the volume per device stays constant when T and sp grow
-  together. sp must divide the local kv heads (else a ValueError); K/V are never repeated.
+  together. Where sp does not divide the local q or kv heads, each shard receives ceil(H/sp)
+  q slots (zero heads past H) and the kv heads they read (a kv head two shards' q heads share
+  goes to both): the all-to-alls carry the slots, not the heads (`heads.py`).
 - `allgather`: forward one all-gather of the K/V block, backward one reduce-scatter of dK/dV.
   The simple baseline: every device holds, and saves for the backward, the whole K/V.
 With packed segment ids every method adds one all-gather of the [B, T] int32 ids, forward.
@@ -35,6 +37,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -43,6 +46,7 @@ from jaxscale.hooks.attention import attention, resolve
 from jaxscale.kernels import blockwise as bw
 from jaxscale.kernels import flash_attention as fa
 from jaxscale.kernels.blockwise import check_inputs
+from jaxscale.strategies.sp.heads import ulysses_slots
 from jaxscale.strategies.sp.ring import allgather_attention, ring_attention
 from jaxscale.strategies.sp.seq_layout import check_layout, from_layout, to_layout
 
@@ -90,18 +94,17 @@ def ulysses_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, se
                       layout: str = "zigzag", implementation: str = "auto",
                       block_q: int = 512, block_k: int = 512):
     """Ulysses on this shard: all-to-all to head-sharded full sequences, attention, and back.
+    Any head counts: heads that sp does not divide are padded with zero heads (`heads.py`).
     `implementation` is any of `jaxscale.hooks.attention`'s (cuDNN included)."""
     check_inputs(q, k, v, segment_ids, None, None)
     sp = lax.axis_size(axis_name)
-    K = k.shape[2]
-    if K % sp:
-        raise ValueError(f"Ulysses attention splits the kv heads over {axis_name!r}: {K} kv heads "
-                         f"per shard are not divisible by sp={sp} (query heads {q.shape[2]}); "
-                         f"use method='ring' or 'allgather', or a kv head count divisible by sp")
+    slots = ulysses_slots(q.shape[2], k.shape[2], sp)
     T = q.shape[1] * sp
     check_layout(T, sp, layout)
+    if slots.padded:           # [B, T/sp, sp nq | sp nk, D]: each shard's slots in turn
+        q, k, v = _slots(q, slots.q_send), _slots(k, slots.kv_send), _slots(v, slots.kv_send)
     to_heads = lambda x: lax.all_to_all(x, axis_name, 2, 1, tiled=True)  # noqa: E731
-    q, k, v = to_heads(q), to_heads(k), to_heads(v)                       # [B, T, n/sp, D]
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)                       # [B, T, nq | nk, D]
     seg = (None if segment_ids is None else
            lax.all_gather(segment_ids, axis_name, axis=1, tiled=True))    # [B, T]
     reorder = causal and layout != "contiguous"   # causal needs true order; other masks do not
@@ -112,7 +115,15 @@ def ulysses_attention(q, k, v, *, axis_name: str = "sp", causal: bool = True, se
                         block_q=block_q, block_k=block_k)
     if reorder:
         o = to_layout(o, sp, 1, layout)
-    return lax.all_to_all(o, axis_name, 1, 2, tiled=True)
+    o = lax.all_to_all(o, axis_name, 1, 2, tiled=True)                    # [B, T/sp, sp nq, D]
+    return o[:, :, list(slots.q_back)] if slots.padded else o
+
+
+def _slots(x, heads):
+    """x [B, T, n, D] as the heads `heads` (-1: a zero head) along axis 2."""
+    if -1 in heads:
+        x = jnp.concatenate([x, jnp.zeros_like(x[:, :, :1])], axis=2)
+    return x[:, :, [h if h >= 0 else x.shape[2] - 1 for h in heads]]
 
 
 PER_SHARD = {"ring": ring_attention, "ulysses": ulysses_attention,

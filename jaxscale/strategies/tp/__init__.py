@@ -16,7 +16,12 @@ weights. A rematerialised forward repeats the attention-output all-reduce unless
 vocabulary-parallel embedding (forward) and head input gradient (backward), and 3 fp32 [b, s]
 softmax statistics (max, sum, target logit). Sequence parallelism turns each all-reduce into a
 reduce-scatter + all-gather pair of the same total bytes (the groups' input gradients: their
-region's own reduce-scatter, which XLA:CPU emits as one too).
+region's own reduce-scatter, which XLA:CPU emits as one too). There the row-parallel matmuls
+run in a region of their own and the head's input is gathered once (`rows.py`, the model's
+`stream` seam): one all-gather of a row's output gradient for both of its backward matmuls,
+where GSPMD gathered it twice inside manual regions. A split pipeline schedule's W pass (ZB-H1,
+ZB-V) gathers the row output gradients again from its tape, which keeps them split: 2 more
+all-gathers per layer and micro-batch than the minimum (`_w_regathers`).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import math
 
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.remat import actions
+from jaxscale.strategies.remat import actions, parse
 from jaxscale.strategies.tables.activations import (
     exchange,
     expert_rows,
@@ -65,12 +70,21 @@ def rules(spec, rules) -> None:
             rules.add(name, "tp", by="tp")
         if spec.tp_overlap == "none":       # collective matmul runs the column sites itself
             rules.set_seam("columns", "tp_columns", by="tp")
+        if spec.sequence_parallel:          # the stream gathered once per use (`rows.py`)
+            rules.set_seam("stream", "tp_stream", by="tp", rows=spec.tp_overlap == "none",
+                           region=_row_region(spec))
 
 
 @register("columns", "tp_columns")
 def _columns(eq, x, ws, sites, names, mesh, rules):
     from jaxscale.strategies.tp.columns import columns
     return columns(eq, x, ws, sites, names, mesh, rules)
+
+
+@register("stream", "tp_stream")
+def _stream(eq, x, w, site, names, mesh, rules, inner):
+    from jaxscale.strategies.tp.rows import stream
+    return stream(eq, x, w, site, names, mesh, rules, inner, **rules.options.get("stream", {}))
 
 
 def collectives(spec) -> list[Comm]:
@@ -91,35 +105,40 @@ def collectives(spec) -> list[Comm]:
         g = moe_layers(spec) * k if grouped_experts(spec) and not _shared_experts(spec) else 0
         fwd, bwd = fwd - g, bwd - g
         rs = dict(group=t, cpu_kind="all-reduce")
+        again = _w_regathers(spec)
+        gspmd_rows = not _row_region(spec)       # `rows.py`: GSPMD's einsum
         block = [Comm("reduce-scatter", ("tp",), fwd * act, int(fwd),
-                      f"block outputs, {2 + redo} forward per layer", **rs),
+                      f"block outputs, {2 + redo} forward per layer"
+                      + ("" if gspmd_rows else " (the row matmuls' region's own reduce-scatter, "
+                         "`rows.py`)"), **(rs if gspmd_rows else dict(group=t))),
                  Comm("reduce-scatter", ("tp",), (bwd + extra) * act, int(bwd + moe_count),
                       "input gradients of the q, k, v and the gate, up groups, one each per "
                       "layer in the backward (their region's own reduce-scatter)"
                       + (" (a MoE layer's gate and up ones on its slot buffer)" if extra else ""),
                       group=t),
-                 Comm("all-gather", ("tp",), (6 * L * k - 3 * g) * act, int(6 * L * k - 3 * g),
+                 Comm("all-gather", ("tp",), (6 * L * k - 3 * g + again) * act,
+                      int(6 * L * k - 3 * g + again),
                       "norm outputs into the attention and MLP (2 forward), their output "
                       "gradients and the norm outputs again for the weight gradients (4 backward) "
                       "per layer (a rematerialised forward's gathers take the place of the "
-                      "latter)", group=t)]
+                      "latter)" + ("; a split schedule's W gathers the o and down output "
+                                   "gradients again: its tape keeps them split (1/t)"
+                                   if again else ""),
+                      group=t, minimum=(6 * L * k - 3 * g) * act)]
         rows = [] if spec.tp_overlap != "none" else block   # collective matmul: ring permutes
         rows += _grouped_rows(spec)
-        norms = (2 * L + 1) * spec.model.dim * 4 * k      # fp32 scale gradients
+        # fp32 scale gradients: each layer's two, the final norm's on the head's stage
+        norms = (2 * L * k + ko) * spec.model.dim * 4
         seq = ("sp", "tp") if spec.deg("sp") > 1 else ("tp",)    # the residual's split
-        rows += [Comm("all-reduce", seq, norms, int((2 * L + 1) * k),
+        rows += [Comm("all-reduce", seq, norms, int(2 * L * k + ko),
                       "RMSNorm scale gradients: each rank's norms saw a sequence shard",
                       group=t * spec.deg("sp")),
                  Comm("all-gather", ("tp",), 2 * act * ko, 2 * ko,
-                      "final norm output into the LM head, forward and backward", group=t),
+                      "the final norm output into the LM head (forward; its weight gradient "
+                      "reads it again, `rows.py`) and the embedding output's gradient "
+                      "(backward)", group=t),
                  Comm("reduce-scatter", ("tp",), 2 * act * ko, 2 * ko,
                       "vocab-parallel embedding (fwd) and head input gradient (bwd)", **rs)]
-        if spec.deg("pp") > 1 and spec.tp_overlap == "none":
-            # the first stage's input gradient arrives split along the sequence, as its input
-            # left the embedding; the embedding's backward gathers it (the rings read it split)
-            rows.append(Comm("all-gather", ("tp",), act * ko, ko,
-                             "the embedding output's gradient, gathered along the sequence "
-                             "on the first pipeline stage", group=t))
     else:
         rows = [Comm("all-reduce", ("tp",), (fwd + bwd + extra) * act,
                      int(fwd + bwd + moe_count),
@@ -132,6 +151,28 @@ def collectives(spec) -> list[Comm]:
     rows.append(Comm("all-reduce", ("tp",), stats, 3 * ko,
                      "softmax max, sum and target logit over the vocabulary", group=t))
     return rows
+
+
+def _row_region(spec) -> bool:
+    """Whether the row-parallel matmuls run in `rows.py`'s region (not under a remat policy
+    saving matmul outputs, nor 8-bit QAT: see there)."""
+    return parse(spec.remat) != "save_dots" and spec.qat == "none"
+
+
+def _w_regathers(spec) -> float:
+    """The all-gathers a split pipeline schedule's W pass adds (ZB-H1, ZB-V; `strategies/pp`):
+    the tape keeps each row-parallel matmul's output gradient as B received it, split along
+    the sequence (1/t of its bytes), and W gathers it again for the weight gradient, where an
+    unsplit backward reads B's one gather for both (`rows.py`). Per micro-batch: o and down
+    of a dense layer; o (and a shared expert's down) of a MoE layer, whose experts run in
+    their own region, not through the tape. Keeping them gathered instead would spare these
+    at (t-1)/t of two [micro-batch, seq, dim] arrays per layer and tape slot."""
+    from jaxscale.strategies.pp.schedules import SPLIT
+    if spec.deg("pp") == 1 or spec.schedule not in SPLIT:
+        return 0.0
+    moe = moe_layers(spec)
+    rows = 2 * (spec.layers_per_device - moe) + moe * (1 + _shared_experts(spec))
+    return rows * max(1, spec.accumulate)
 
 
 def _grouped_rows(spec) -> list[Comm]:
