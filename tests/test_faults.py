@@ -24,7 +24,7 @@ from tests import fault_mount
 from tests.helpers import SMALL_ARGS, subprocess_env
 
 DRIVER = Path(fault_mount.__file__)
-TRIES = 5                   # read-only runs: an exit left to the interpreter hangs in ~half
+TRIES = 3                   # read-only runs: an exit left to the interpreter hung in ~half
 
 
 def train_argv(out, steps, *extra) -> list[str]:
