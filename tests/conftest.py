@@ -103,3 +103,10 @@ class ZeroSkips:
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):          # not on an xdist worker
         config.pluginmanager.register(ZeroSkips(), "jaxscale-zero-skips")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores (at most 4). Many of the suite's tests run
+    `jaxscale` in subprocesses (multi-process runs, faults, the CLI) and wait for them; a spare
+    worker compiles meanwhile instead of leaving a core idle."""
+    return min(4, (os.cpu_count() or 1) + 1)
