@@ -190,15 +190,17 @@ def test_merge_mixes_the_fragments_parts_only():
 @pytest.mark.parametrize("overrides, message", [
     (("plan.outer_fragments=2",), "stream local SGD's averages: set plan.local_sgd"),
     ((*STREAM[:2], "plan.outer_fragments=3"), "more than the 2 layers: at most one fragment"),
-    ((*STREAM[:2], "plan.outer_fragments=3", "model.n_layers=4", "mesh.dp=2", "mesh.pp=2",
-      "mesh.tp=2", "plan.accumulate=2"), "each pipeline stage's 2 stored layers"),
     ((*STREAM[:2], "plan.outer_delay=2"), "can overlap the step it is issued in only"),
 ])
 def test_streaming_plans_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         plan.validate(tiny_config(*DP8, *overrides), 8)
-    # fragments that do not divide the layers run (`test_local_sgd_uneven.py`)
+    # fragments that do not divide the layers run (`test_local_sgd_uneven.py`), and more
+    # fragments than a pipeline stage's layers
     plan.validate(tiny_config(*DP8, *STREAM, "model.n_layers=5"), 8)
+    plan.validate(tiny_config(*STREAM[:2], "plan.outer_fragments=3", "model.n_layers=4",
+                              "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1",
+                              "plan.accumulate=2"), 8)
 
 
 @pytest.mark.parametrize("method", [("plan.compression=powersgd", "plan.compression_rank=2"),

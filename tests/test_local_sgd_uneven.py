@@ -1,7 +1,8 @@
 """Streaming DiLoCo with fragments that do not divide the layers (`plan.outer_fragments`,
 `strategies/local_sgd/fragments.py`): 5 layers in F = 2 strided fragments (layers 0, 2, 4 with
-the embedding; 1, 3 with the final norm and the head), and a pipeline whose stages store 3
-layers each (the stride inside each stage: rows 0, 2 and 1 of every stage). Each as the
+the embedding; 1, 3 with the final norm and the head), and pipelines whose stages hold layers
+the stride does not reach alike (each stage's rows of a fragment's layers gathered into
+slots: `fragments.selection`), averaged as without a pipeline. Each as the
 divisible case is held: at H = 1 the fragments' averages are synchronous DP's step; blocking at
 H = 2 each fragment is averaged at its own offset; each branch's census is its group's fp32
 all-reduce, the formula's by hand from the shapes; the planner's terms per group."""
@@ -114,7 +115,7 @@ def test_uneven_cut_takes_and_puts_strided_rows_per_stage():
 def test_uneven_fragments_in_pipeline_stages_match_dp_and_the_formula():
     """Each dp rank a pp2 x tp2 pipeline of 6 layers (3 per stage), F = 2 at H = 1: DP's step
     over 3 updates, and every census row the formula's (each group's all-reduce of its stages'
-    rows: 2 + 1 per stage)."""
+    slots: layers 0, 2 | 4 and 1 | 3, 5, two slots per stage each)."""
     mesh = ("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1", "model.n_layers=6",
             "plan.accumulate=2", "data.batch_size=8")
     dp = numerics.run((*mesh, *SGD))
@@ -127,3 +128,20 @@ def test_uneven_fragments_in_pipeline_stages_match_dp_and_the_formula():
     assert {tuple(r["axes"]) for r in rows} >= {("dp",), ("pp",), ("tp",)}
     for r in rows:
         assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
+
+
+def test_fragments_under_a_pipeline_average_the_models_layers():
+    """5 layers on pp2 (stages of 3 and 2: the second's rows hold layers 3, 4, so the stride
+    p::F inside a stage would average layer 3 with 0 and 2) in F = 2 fragments at H = 2: the
+    weights after 4 updates (2 averages) equal dp2 replicas without a pipeline, whose fragments
+    are layers 0, 2, 4 and 1, 3 (fp32)."""
+    from jaxscale.strategies.pp.stages import layer_order
+    data = (*FIVE, "data.batch_size=8", "plan.accumulate=2", "optim.warmup_steps=0", *STREAM)
+    piped = ("mesh.dp=2", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=1", *data)
+    spec = plan.Spec.from_config(tiny_config(*piped), 8)
+    assert fragments.selection(layer_order(spec), 2, 2) == (((0, 2), (1,)), ((1,), (0,)))
+    got = numerics.run(piped, steps=4)
+    ref = numerics.run(("mesh.dp=2", "mesh.pp=1", "mesh.fsdp=1", "mesh.tp=1", *data),
+                       jax.devices()[:2], steps=4)
+    numerics.assert_matches(got, ref, dataclasses.replace(
+        numerics.FP32, grads=None, why="the same fp32 steps, weights compared"))

@@ -123,17 +123,12 @@ def streaming(spec) -> bool:
 
 
 def streaming_problems(spec) -> list[str]:
-    """Fragments need a layer each (F <= the layers); under a pipeline the stride runs inside
-    each stage's stored rows (`fragments.py`: no layer moves between stages), so F <= those."""
+    """Fragments need a layer each (F <= the layers); under a pipeline a fragment takes its
+    layers from every stage that holds some (`fragments.py`), so no more than that."""
     F, model, errs = spec.outer_fragments, spec.model, []
     if F > model.n_layers:
         errs.append(f"plan.outer_fragments={F} is more than the {model.n_layers} layers: at "
                     f"most one fragment per layer")
-    elif F > 1 and model.scan_layers and spec.deg("pp") > 1 and F > spec.stored_layers:
-        errs.append(f"plan.outer_fragments={F}: each pipeline stage's {spec.stored_layers} "
-                    f"stored layers are cut into the fragments (strided inside the stage, so no "
-                    f"layer moves between stages): at most {spec.stored_layers} fragments with "
-                    f"mesh.pp={spec.deg('pp')}")
     return errs
 
 

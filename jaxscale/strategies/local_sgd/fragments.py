@@ -9,7 +9,12 @@ fragments: layers 0, 2, 4 and 1, 3). A layer-stacked leaf [n, ...] gives fragmen
 p::F. Under a pipeline the stacked axis is split over pp into S blocks of m stored rows, and the
 stride runs inside each block: fragment p holds the rows p, p + F, ... < m of every stage
 ([S, m, ...][:, p::F], so the split stays local and every stage holds a share of every
-fragment); that is the whole-stack stride wherever F divides m, and needs F <= m.
+fragment) wherever that is the model's stride (each stored row's layer = its row mod F). Where
+it is not (uneven stages, interleaved chunks: the stage layout's `stages.layer_order`), fragment
+p takes, from each block, the rows whose layer is p mod F, as many slots per block as the block
+with the most (a gather along the rows, local to each stage; a block's spare slots are empty and
+dropped on the way back): any layout averages the same layers together as one device does, and
+moves at most a block's spare slots more.
 
 Fragment p is averaged after the inner steps c = o_p, o_p + H, o_p + 2H, ... with the offset
 o_p = p H // F (fragments with the same offset, when F > H, go together: one group). With F = 1
@@ -23,6 +28,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
 
 STRIDED = -1         # a layer-stacked leaf: every fragment holds its rows p::F
 
@@ -77,25 +85,42 @@ def rows(m: int, p: int, F: int) -> int:
     return len(range(p, m, F))
 
 
-def part_shape(shape, o: int, F: int, p: int, stages: int = 1) -> tuple[int, ...]:
+def selection(order, stages: int, F: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
+    """For each fragment p, each block's rows whose layer is p mod F (`order`: stored row ->
+    model layer, -1 padding, `stages.layer_order`); None where the blocks' stride p::F is that
+    already (then padding rows go with their stride)."""
+    if order is None or F == 1:
+        return None
+    m = len(order) // stages
+    if all(layer % F == (r % m) % F for r, layer in enumerate(order) if layer >= 0):
+        return None
+    return tuple(tuple(tuple(r for r in range(m) if 0 <= order[s * m + r]
+                             and order[s * m + r] % F == p) for s in range(stages))
+                 for p in range(F))
+
+
+def part_shape(shape, o: int, F: int, p: int, stages: int = 1, sel=None) -> tuple[int, ...]:
     """The shape of fragment p's part of a leaf of this shape and owner (`Cut`'s `take`): a
-    stacked leaf's rows p::F of each of its `stages` blocks."""
+    stacked leaf's rows p::F of each of its `stages` blocks, or `selection`'s slots."""
     if o != STRIDED:
         return tuple(shape)
-    return (stages * rows(shape[0] // stages, p, F),) + tuple(shape[1:])
+    k = rows(shape[0] // stages, p, F) if sel is None else max(map(len, sel[p]))
+    return (stages * k,) + tuple(shape[1:])
 
 
 def group_shapes(spec) -> list[list[tuple[int, ...]]]:
     """Each group's parts as a device holds them (its shards of every leaf part, a stacked
     leaf's rows p::F of the rows it stores), in the order of `groups`: what one average of that
     group takes (with F = 1 one group, every leaf whole)."""
+    from jaxscale.strategies.pp.stages import layer_order
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
+    sel = selection(layer_order(spec), spec.deg("pp"), F)
     per: list[list] = [[] for _ in range(F)]
     for leaf in leaves(spec.model):
         shape, o = leaf.local_shape(spec), owner(leaf.path, leaf.stacked, F)
         for p in (range(F) if o == STRIDED else [o]):
-            per[p].append(part_shape(shape, o, F, p))
+            per[p].append(part_shape(shape, o, F, p, sel=sel))   # one device's block
     return [[s for p in g for s in per[p]] for g in groups(F, H)]
 
 
@@ -106,14 +131,14 @@ def group_parts(spec, params, where) -> list[tuple]:
     from jax.sharding import PartitionSpec as P
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     specs, sizes = where
-    cut = Cut.of(params, F, spec.deg("pp"))
+    cut = Cut.of(params, F, spec.deg("pp"), spec)
     leaves_ = jax.tree.leaves(params)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     out = []
     for frags in groups(F, H):
         members = cut.members(frags)
         parts = [jax.ShapeDtypeStruct(part_shape(leaves_[j].shape, cut.owners[j], F, p,
-                                                 cut.stages), leaves_[j].dtype)
+                                                 cut.stages, cut.sel), leaves_[j].dtype)
                  for j, p in members]
         out.append((parts, ([spec_leaves[j] for j, _ in members], sizes)))
     return out
@@ -123,21 +148,26 @@ def group_parts(spec, params, where) -> list[tuple]:
 class Cut:
     """The runtime side: each flattened parameter leaf's owner, and the fragments' parts of a
     list of leaves (the parameters' order); `stages`: the blocks a stacked leaf's rows are split
-    in (pp's), each cut alike."""
+    in (pp's), each cut alike, by stride or by `sel` (`selection`)."""
     F: int
     owners: tuple[int, ...]
     stages: int = 1
+    sel: tuple | None = None
 
     @classmethod
-    def of(cls, params, F: int, stages: int = 1) -> Cut:
+    def of(cls, params, F: int, stages: int = 1, spec=None) -> Cut:
         """The cut of a parameter tree, from its paths: a leaf under "layers/" without a layer
-        number is a layer stack (the model's "layers" logical axis)."""
+        number is a layer stack (the model's "layers" logical axis); `spec`: the plan whose
+        pipeline stores the rows (`stages.layer_order`)."""
         import jax
+
+        from jaxscale.strategies.pp.stages import layer_order
         paths = [jax.tree_util.keystr(p, simple=True, separator="/")
                  for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        order = layer_order(spec) if spec is not None and max(1, stages) > 1 else None
         return cls(F, tuple(owner(path, path.startswith("layers/")
                                   and not re.match(r"layers/\d+/", path), F) for path in paths),
-                   max(1, stages))
+                   max(1, stages), selection(order, max(1, stages), F))
 
     def members(self, frags) -> list[tuple[int, int]]:
         """(leaf number, fragment) of every part the fragments `frags` hold."""
@@ -158,7 +188,12 @@ class Cut:
             x, S = out[j], self.stages
             blocks = x.reshape((S, x.shape[0] // S) + x.shape[1:])
             part = part.reshape((S, -1) + x.shape[1:]).astype(x.dtype)
-            out[j] = blocks.at[:, p::self.F].set(part).reshape(x.shape)
+            if self.sel is None:
+                out[j] = blocks.at[:, p::self.F].set(part).reshape(x.shape)
+                continue
+            back, keep = self._back(p, blocks.shape[1], x.ndim)
+            out[j] = jnp.where(keep, jnp.take_along_axis(part, back, axis=1),
+                               blocks).reshape(x.shape)
         return out
 
     def merge(self, rep, anchor, frags, alpha: float) -> list:
@@ -173,5 +208,22 @@ class Cut:
         if self.owners[j] != STRIDED:
             return x
         S = self.stages
-        part = x.reshape((S, x.shape[0] // S) + x.shape[1:])[:, p::self.F]
+        blocks = x.reshape((S, x.shape[0] // S) + x.shape[1:])
+        if self.sel is None:
+            part = blocks[:, p::self.F]
+        else:                   # each block's rows of the fragment, spare slots empty (zeros)
+            k, tail = max(map(len, self.sel[p])), (1,) * (x.ndim - 1)
+            idx = np.array([list(r) + [blocks.shape[1]] * (k - len(r)) for r in self.sel[p]])
+            part = jnp.take_along_axis(blocks, idx.reshape(idx.shape + tail), axis=1,
+                                       mode="fill", fill_value=0)
         return part.reshape((-1,) + x.shape[1:])
+
+    def _back(self, p, m, ndim):
+        """(each block row's slot in fragment p's part, whether the row is the fragment's), as
+        arrays that broadcast against the blocks [S, m, ...]."""
+        back, keep = np.zeros((self.stages, m), np.int32), np.zeros((self.stages, m), bool)
+        for s, rows_ in enumerate(self.sel[p]):
+            for slot, r in enumerate(rows_):
+                back[s, r], keep[s, r] = slot, True
+        tail = (1,) * (ndim - 1)
+        return back.reshape(back.shape + tail), keep.reshape(keep.shape + tail)

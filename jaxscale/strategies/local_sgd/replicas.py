@@ -221,7 +221,7 @@ class stream_parts:
         F, H = spec.outer_fragments, spec.local_steps
         self.groups = fragments.groups(F, H)
         self.table = fragments.branch_table(F, H)
-        self.cut = fragments.Cut.of(ctx.model.abstract_params, F, spec.deg("pp"))
+        self.cut = fragments.Cut.of(ctx.model.abstract_params, F, spec.deg("pp"), spec)
         self.specs = jax.tree.leaves(ctx.lay.specs.params, is_leaf=lambda x: isinstance(x, P))
 
     def branch(self, step):
