@@ -139,14 +139,15 @@ def _gathered_over(spec, leaf, contracted: bool) -> tuple[str, ...]:
     return tuple(a for a in gather_axes(spec) if a in split)
 
 
-def _local_channels(spec, leaf) -> float:
+def _local_channels(spec, leaf, whole=()) -> float:
     """One device's channels of a weight's per-channel scales (split as its shard is,
-    `_layer_entries`), over the layers it runs."""
+    `_layer_entries`, but for the axes `whole`, gathered before it is quantised), over the
+    layers it runs."""
     from jaxscale.axes import entry_axes
     dims = [d for d, ax in enumerate(leaf.axes) if ax != "layers"]
     channels = _contracted(leaf, False) + [d for d in dims if leaf.axes[d] == "experts"]
     return spec.layers_per_device * float(math.prod(
-        leaf.shape[d] // math.prod(spec.deg(a) for a in entry_axes(e))
+        leaf.shape[d] // math.prod(spec.deg(a) for a in entry_axes(e) if a not in whole)
         for d, e in zip(dims, _layer_entries(spec, leaf)) if d in channels))
 
 
@@ -246,12 +247,14 @@ def int8_scale_collectives(spec) -> list:
             down += Lm * (exchange(spec).rows * k - tokens)
         rows = [leaf for leaf in weights if _split_by(spec, leaf, True, "tp")]   # wo, w_down
         wo = [leaf for leaf in rows if leaf.path.endswith("wo")]
+        # collective matmul's region takes its weights gathered over ZeRO-3's dp
+        whole = ("dp",) if spec.tp_overlap != "none" else ()
         out += [Comm("all-reduce", ("tp",), 4 * (tokens * runs * (1 + again + rescaled) + down),
                      int((2 + again + rescaled) * runs * k),
                      "int8 QAT: per-token scales of wo and w_down inputs (max)", group=t),
                 Comm("all-reduce", ("tp",), 4 * k * (
-                    sum(_local_channels(spec, x) for x in rows)
-                    + (again + rescaled) * sum(_local_channels(spec, x) for x in wo)),
+                    sum(_local_channels(spec, x, whole) for x in rows)
+                    + (again + rescaled) * sum(_local_channels(spec, x, whole) for x in wo)),
                      int((2 + again + rescaled) * runs * k),
                      "int8 QAT: per-channel scales of wo and w_down (max)", group=t)]
     if spec.tp_overlap != "none":
