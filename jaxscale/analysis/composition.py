@@ -173,6 +173,13 @@ def markdown(results: dict[tuple[str, str], str]) -> str:
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "composition.md"
+#: where the pair table ends in `DOC` and the generated layouts' section begins
+SWEEP_MARK = "\n## Generated layouts\n"
+
+
+def table_part(text: str) -> str:
+    """The pair table of `DOC`'s text (what `markdown(table())` writes)."""
+    return text.partition(SWEEP_MARK)[0].rstrip("\n") + "\n"
 
 
 def main(argv=None) -> int:
@@ -180,8 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--update-docs", action="store_true", help=f"write {DOC}")
     args = ap.parse_args(argv)
     text = markdown(table())
-    if args.update_docs:
-        DOC.write_text(text)
+    if args.update_docs:             # the generated layouts' section (`sweep`) is kept
+        kept = DOC.read_text().partition(SWEEP_MARK)
+        DOC.write_text(text + (kept[1] + kept[2] if kept[1] else ""))
         print(f"wrote {DOC}")
     else:
         print(text)
