@@ -125,9 +125,8 @@ def main(argv=None) -> int:
     rows = run(n, seed, args.out)
     print(summary(rows))
     if update_docs:
-        text = composition.DOC.read_text()
-        table = text.split(MARK)[0]
-        composition.DOC.write_text(table.rstrip("\n") + "\n" + docs_section(rows, n, seed))
+        table = composition.table_part(composition.DOC.read_text())
+        composition.DOC.write_text(table + docs_section(rows, n, seed))
         plot(rows, FIGURE)
         print(f"wrote {composition.DOC} and {FIGURE}", file=sys.stderr)
     return 0 if all(r["ok"] for r in rows) else 1
