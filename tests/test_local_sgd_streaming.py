@@ -309,3 +309,17 @@ def test_planner_hides_a_delayed_average_under_one_step():
     assert delayed.exposed_comm - blocking.exposed_comm == pytest.approx(
         max(0.0, 32 * t - delayed.compute) / 32, abs=1e-9)
     assert delayed.total < blocking.total
+
+
+def test_compiled_memory_is_the_planners(blocking, delayed):
+    """A streamed average's copies (its group's parts cut out and put back into whole leaves)
+    and, delayed, the new anchor and momentum held through the step: the planner's temp within
+    `validation.TOLERANCE` (without the streaming terms it said 0.30 and 0.40 of these)."""
+    from jaxscale import planner
+    from jaxscale.analysis import validation
+    for s, step in ((blocking[0], blocking[1]), (delayed[0], delayed[1])):
+        temp = step.memory_analysis().temp_size_in_bytes
+        terms = planner.predict(s.cfg).memory.terms
+        assert abs(planner.predict(s.cfg).memory.xla["temp"] / temp - 1) <= \
+            validation.TOLERANCE["temp"], s.cfg.plan
+        assert any("streamed average" in t.what for t in terms)

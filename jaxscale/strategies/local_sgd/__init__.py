@@ -178,7 +178,13 @@ def memory(spec) -> list[Term]:
     replica's inner optimizer state is the size of the plan's optimizer state (counted there).
     A blocking average holds five fp32 copies of the replica at once (read from XLA:CPU's live
     ranges: the changes, their all-reduced sum, the mean, the outer step's two results), four
-    beyond the update phase's gradient buffer; streamed averages are not modelled yet."""
+    beyond the update phase's gradient buffer. A streamed average (`fragments`) cuts its group's
+    parts out of the whole leaves and puts them back into both the anchor and the replica, each
+    put a whole new leaf beside the old: read from the same live ranges (dp8, F = 2 and 4),
+    blocking's four copies and 3.75 (1 - 1/F) more, or 3.5 + 2.25 (1 - 1/F) delayed (the step's
+    own update no longer waits beside the average's copies). Delayed, the new anchor (and outer
+    momentum) depends on the average alone: XLA computes it as the step starts and holds it, two
+    whole fp32 leaves each, through the backward."""
     if not active(spec):
         return []
     from jaxscale.strategies.tables.params import leaves
@@ -191,6 +197,15 @@ def memory(spec) -> list[Term]:
         out.append(Term("update", 4 * 4 * size, "the average: the changes, their sum, the mean "
                         "and the outer step's results (fp32, with the gradient buffer five "
                         "copies)"))
+    else:
+        cut = 1 - 1 / spec.outer_fragments
+        copies = 3.5 + 2.25 * cut if spec.outer_delay else 4 + 3.75 * cut
+        out.append(Term("update", copies * 4 * size, f"a streamed average: its group's parts "
+                        f"cut out and put back into the anchor and the replica ({copies:.2f} "
+                        f"fp32 replicas)"))
+        if spec.outer_delay and spec.outer_fragments > 1:
+            out.append(Term("backward", 4 * size * (1 + (mom > 0)), "the delayed average's new "
+                            "anchor (and outer momentum), computed as the step starts"))
     return out
 
 
