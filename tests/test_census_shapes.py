@@ -13,7 +13,12 @@ kv heads, ffn 224, vocab 509, seq 64) where two mechanisms once moved more than 
   by its transpose (1.21x the formula's fsdp gathers on pp2 x fsdp2 x tp2, 1.30x on
   dp2 x fsdp2 x tp2); gathered before the region, the replay and the backward share one copy.
 
-Each plan compiles once: the file takes about 45 s on 2 cores."""
+- ZeRO-3 under a pipeline: the stages' sum of the embedding's, final norm's and head's
+  gradients moves their ZeRO-3 shards (dp x fsdp), where the formula counted fsdp's (2x);
+- a mixture's statistics under local SGD: a replica's step sums them over its own axes, dp's
+  sum is the metrics' (the formula had put dp in their all-reduce's group).
+
+Each plan compiles once: the file takes about 70 s on 2 cores."""
 import functools
 import math
 
@@ -43,6 +48,12 @@ PLANS = {
     "dp2 x fsdp2 x tp2 save_dots bf16": ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2",
                                          "plan.remat=save_dots", "plan.precision=bf16",
                                          "plan.accumulate=2"),
+    "pp2 x dp2 x fsdp2 ZeRO-3": ("mesh.pp=2", "mesh.dp=2", "mesh.fsdp=2", "mesh.tp=1",
+                                 "plan.zero=3", "plan.accumulate=2", "data.batch_size=8"),
+    "dp2 x fsdp2 x sp2 DiLoCo MoE ring": ("mesh.dp=2", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=1",
+                                          "plan.context=ring", "plan.local_sgd=diloco",
+                                          "plan.local_steps=4", "model.moe_experts=4",
+                                          "data.batch_size=8"),
 }
 
 

@@ -128,6 +128,13 @@ def stored_spec(spec, leaf) -> tuple:
     return tuple(zero_lib.shard_entries(entries, leaf.shape, sizes, 3))
 
 
+def stored_size(spec, leaf, drop: tuple[str, ...] = ()) -> float:
+    """Elements per device of a parameter as the state stores it (`stored_spec`; `drop`: mesh
+    axes treated as gathered)."""
+    return float(math.prod(math.ceil(dim / _group(spec, [a for a in _entry(e) if a not in drop]))
+                           for dim, e in zip(leaf.shape, stored_spec(spec, leaf))))
+
+
 def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
     from jaxscale.strategies.tables.params import leaves

@@ -132,10 +132,11 @@ def collectives(spec) -> list[Comm]:
 
 def _token_axes(spec) -> tuple[str, ...]:
     """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's),
-    less those of the data region the step runs in (`dp.sync_axes`): it sums the statistics over
-    them once, with the loss."""
+    less those of the data region the step runs in (`dp.sync_axes`), and dp under local SGD (a
+    replica's step, manual over dp): they sum the statistics once, with the loss."""
     axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
-    return tuple(a for a in MESH_AXES if a in axes and a not in dp.sync_axes(spec))
+    once = set(dp.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    return tuple(a for a in MESH_AXES if a in axes and a not in once)
 
 
 def memory(spec) -> list[Term]:
