@@ -4,6 +4,8 @@ Every refusal between options that involve neither the pipeline nor mixture-of-e
 that no implementation could run, named in `REASONS` with why, or one of the few `PENDING`
 (to be built); `docs/composition.md` is the table the code gives today.
 """
+import json
+
 import pytest
 
 from jaxscale.analysis import composition
@@ -109,3 +111,24 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
     assert {"fp16", "QAT fp8"} <= set(case.options)
     assert generate.tolerance(case).grads == pytest.approx(
         1e-5 + 3e-2 + 3e-5 + 8 / 254 + 2 ** -3)
+
+
+def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
+    """`sweep --results`: the lines of sweeps of consecutive seeds run apart, one summary; seeds
+    with a gap are refused, naming them."""
+    from jaxscale.analysis import sweep
+
+    def line(seed, ok):
+        return json.dumps({"seed": seed, "options": ["tp"], "ok": ok, "failure": "" if ok else
+                           "census", "detail": "" if ok else "all-reduce tp 2x",
+                           "command": f"jaxscale train llama_tiny # {seed}", "seconds": 1.0})
+    (tmp_path / "a.jsonl").write_text(line(4, True) + "\n" + line(5, False) + "\n")
+    (tmp_path / "b.jsonl").write_text(line(6, True) + "\n")
+    assert sweep.main(["--results", str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("2 of 3 generated layouts pass (66.7%): census 1")
+    assert "seed 5 (census): all-reduce tp 2x" in out and "# 5`" in out
+    (tmp_path / "c.jsonl").write_text(line(9, True) + "\n")
+    with pytest.raises(SystemExit):
+        sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")])
+    assert "seeds 4..9 with gaps" in capsys.readouterr().err

@@ -3,6 +3,7 @@ as it finishes, a summary by failure class, and for each failure the `jaxscale t
 reproduces it.
 
     python -m jaxscale.analysis.sweep --cases 200 --seed 0 --out runs/sweep.jsonl --update-docs
+    python -m jaxscale.analysis.sweep --results runs/a.jsonl runs/b.jsonl --update-docs
 
 `--update-docs` writes the summary, every failure and a figure (cases passed and failed per
 option) into docs/composition.md after the pair table, and docs/img/composition_sweep.png.
@@ -115,14 +116,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="each result as a JSON line here")
     ap.add_argument("--update-docs", action="store_true",
                     help=f"write the results into {composition.DOC} and {FIGURE}")
+    ap.add_argument("--results", type=Path, nargs="+", default=None, metavar="JSONL",
+                    help="summarise these --out files (sweeps of consecutive seeds run apart, "
+                         "e.g. one per core) instead of running cases")
     args = ap.parse_args(argv)
+    if args.results:
+        rows = sorted((json.loads(line) for f in args.results for line in f.read_text().splitlines()
+                       if line.strip()), key=lambda r: r["seed"])
+        seeds = [r["seed"] for r in rows]
+        if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+            ap.error(f"--results hold seeds {seeds[0]}..{seeds[-1]} with gaps or repeats: give "
+                     f"the files of one run of consecutive seeds")
+        return _report(rows, len(rows), seeds[0], args.update_docs)
     if "jax" not in sys.modules:            # the 8 simulated devices every case is drawn for
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    n, seed, update_docs = args.cases, args.seed, args.update_docs
-    rows = run(n, seed, args.out)
+    return _report(run(args.cases, args.seed, args.out), args.cases, args.seed, args.update_docs)
+
+
+def _report(rows: list[dict], n: int, seed: int, update_docs: bool) -> int:
     print(summary(rows))
     if update_docs:
         table = composition.table_part(composition.DOC.read_text())
