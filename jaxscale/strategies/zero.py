@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxscale.axes import entry_axes
+from jaxscale.axes import MESH_AXES, entry_axes
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.params import leaves
 
@@ -47,6 +47,28 @@ def gather_axes(spec) -> tuple[str, ...]:
     if spec.zero >= 3 and spec.deg("dp") > 1:
         names.insert(0, "dp")
     return tuple(names)
+
+
+def stored_spec(spec, leaf) -> tuple:
+    """The mesh axes of each dimension of a parameter as the state stores it (the rules, and
+    ZeRO-3's dp split on top), as a tuple of entries (no JAX needed)."""
+    table = spec.rules.table
+    entries, used = [], set()
+    for ax in leaf.axes:
+        got = tuple(m for m in table.get(ax, ()) if m not in used and spec.deg(m) > 1)
+        used.update(got)
+        entries.append(got or None)
+    if stage(spec) < 3:
+        return tuple(entries)
+    return tuple(shard_entries(entries, leaf.shape, {a: spec.deg(a) for a in MESH_AXES}, 3))
+
+
+def stored_size(spec, leaf, drop: tuple[str, ...] = ()) -> float:
+    """Elements per device of a parameter as the state stores it (`stored_spec`; `drop`: mesh
+    axes treated as gathered)."""
+    return float(math.prod(
+        math.ceil(dim / math.prod(spec.deg(a) for a in entry_axes(e) if a not in drop))
+        for dim, e in zip(leaf.shape, stored_spec(spec, leaf))))
 
 
 def stage(spec) -> int:

@@ -112,29 +112,6 @@ def _entry(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def stored_spec(spec, leaf) -> tuple:
-    """The mesh axes of each dimension of a parameter as the state stores it (the rules, and
-    ZeRO-3's dp split on top), as a tuple of entries (no JAX needed)."""
-    from jaxscale.strategies import zero as zero_lib
-    table = spec.rules.table
-    entries, used = [], set()
-    for ax in leaf.axes:
-        got = tuple(m for m in table.get(ax, ()) if m not in used and spec.deg(m) > 1)
-        used.update(got)
-        entries.append(got or None)
-    if zero_lib.stage(spec) < 3:
-        return tuple(entries)
-    sizes = {a: spec.deg(a) for a in MESH_AXES}
-    return tuple(zero_lib.shard_entries(entries, leaf.shape, sizes, 3))
-
-
-def stored_size(spec, leaf, drop: tuple[str, ...] = ()) -> float:
-    """Elements per device of a parameter as the state stores it (`stored_spec`; `drop`: mesh
-    axes treated as gathered)."""
-    return float(math.prod(math.ceil(dim / _group(spec, [a for a in _entry(e) if a not in drop]))
-                           for dim, e in zip(leaf.shape, stored_spec(spec, leaf))))
-
-
 def collectives(spec) -> list[Comm]:
     """The gradient reduction over every data axis (see the module docstring)."""
     from jaxscale.strategies.tables.params import leaves
@@ -151,7 +128,7 @@ def collectives(spec) -> list[Comm]:
         once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.layers_per_device
-    from jaxscale.strategies.zero import gather_axes
+    from jaxscale.strategies.zero import gather_axes, stored_spec
     from jaxscale.strategies.zeropp import reduced
     quantised = reduced(spec)
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
