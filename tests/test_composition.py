@@ -132,3 +132,15 @@ def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")])
     assert "seeds 4..9 with gaps" in capsys.readouterr().err
+
+
+def test_the_reference_takes_the_cases_micro_batches():
+    """A pipeline's micro-batches are the reference's too: a mixture's balance loss is a
+    micro-batch's (seed 222, MoE x 1F1B x collective matmul: the router's gradient was 1.4%
+    off one device run on the whole batch)."""
+    from jaxscale.analysis import generate
+    case = generate.draw(222)
+    assert {"MoE", "pp 1F1B"} <= set(case.options)
+    ref, n = generate.reference(case)
+    assert n == 1 and "plan.accumulate=2" in ref and "mesh.pp=1" in ref
+    assert "model.moe_experts=4" in ref

@@ -143,14 +143,17 @@ LAYOUT_ONLY = {"fsdp", "ZeRO-1", "ZeRO-3", "tp", "Megatron SP", "ring", "Ulysses
 def reference(case: Case) -> tuple[tuple[str, ...], int]:
     """(the reference's overrides, its device count): one device with the options that change
     the arithmetic (precision, QAT, pruning, the mixture of experts, the micro-batches); with
-    local SGD, dp replicas of one device each, averaged with the case's compression."""
+    local SGD, dp replicas of one device each, averaged with the case's compression. The
+    micro-batches are the case's wherever they come from (a pipeline's too): a mixture's balance
+    loss is a micro-batch's."""
     opts = [o for o in case.options if o not in LAYOUT_ONLY or
             (LOCAL_SGD & set(case.options) and o in ("int8 compression", "PowerSGD"))]
     if "ep" in case.options:
         opts.append("MoE")
     dp = dict(case.mesh)["dp"] if LOCAL_SGD & set(case.options) else 1
     mesh = (("dp", dp), ("pp", 1), ("fsdp", 1), ("ep", 1), ("sp", 1), ("tp", 1))
-    return _with(composition.overrides(*opts), mesh, case.shape), dp
+    micro = [o for o in case.overrides() if o.startswith("plan.accumulate=")]
+    return (*_with(composition.overrides(*opts), mesh, case.shape), *micro[-1:]), dp
 
 
 def _with(base, mesh, shape) -> tuple[str, ...]:
