@@ -66,9 +66,9 @@ def test_a_refusal_names_both_settings():
 CI_SEEDS = (0, 30, 76)
 HERE = CI_SEEDS[:2]
 #: the cover's other cases, open failures (the sweep in docs/composition.md lists their class)
-OPEN = {41: "census: ring x MoE x ZB-H1 with int8 compression and fp16, sp all-reduce 1.69x",
-        13: "memory: temp 0.75 of compiled, uneven pipeline stages (5 layers in blocks of 3)",
-        2998: "memory: temp 0.76 of compiled, uneven pipeline stages (5 layers in blocks of 3)"}
+OPEN = {41: "census, float16 on XLA:CPU: ring x MoE x ZB-H1 with int8 compression, sp 1.69x",
+        13: "memory, uneven pipeline stages: temp 0.75 of compiled (5 layers in blocks of 3)",
+        2998: "memory, uneven pipeline stages: temp 0.76 of compiled (5 layers in blocks of 3)"}
 
 
 def test_the_cover_holds_every_option():
@@ -114,8 +114,8 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
 
 
 def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
-    """`sweep --results`: the lines of sweeps of consecutive seeds run apart, one summary; seeds
-    with a gap are refused, naming them."""
+    """`sweep --results`: the lines of sweeps of consecutive seeds run apart, one summary (each
+    failure with its diagnosed cause, or none); seeds with a gap are refused, naming them."""
     from jaxscale.analysis import sweep
 
     def line(seed, ok):
@@ -127,7 +127,7 @@ def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
     assert sweep.main(["--results", str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")]) == 1
     out = capsys.readouterr().out
     assert out.startswith("2 of 3 generated layouts pass (66.7%): census 1")
-    assert "seed 5 (census): all-reduce tp 2x" in out and "# 5`" in out
+    assert "seed 5 (census; undiagnosed): all-reduce tp 2x" in out and "# 5`" in out
     (tmp_path / "c.jsonl").write_text(line(9, True) + "\n")
     with pytest.raises(SystemExit):
         sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")])
@@ -144,3 +144,16 @@ def test_the_reference_takes_the_cases_micro_batches():
     ref, n = generate.reference(case)
     assert n == 1 and "plan.accumulate=2" in ref and "mesh.pp=1" in ref
     assert "model.moe_experts=4" in ref
+
+
+def test_a_failure_is_named_by_its_diagnosed_cause():
+    from jaxscale.analysis import sweep
+    row = {"failure": "census", "options": ["fp16", "tp"], "mesh": {"pp": 1},
+           "shape": {"model.n_layers": 4}, "temp": 1.0}
+    assert sweep.cause(row) == "float16 on XLA:CPU"
+    row = {**row, "failure": "memory", "options": ["pp 1F1B"], "mesh": {"pp": 2},
+           "shape": {"model.n_layers": 5}, "temp": 0.8}
+    assert sweep.cause(row) == "uneven pipeline stages"
+    assert sweep.cause({**row, "shape": {"model.n_layers": 6}}) == "undiagnosed"
+    assert sweep.cause({**row, "options": ["pp ZB-V"], "shape": {"model.n_layers": 6}}) == \
+        "uneven pipeline stages"                  # 6 layers over 2 x 2 virtual stages
