@@ -173,3 +173,26 @@ def test_report_schema():
     one_hot = 2 * cfg.model.vocab_size / 2 * cfg.model.dim * tokens / 4
     assert abs(rep["flops"]["dot_flops"] / (dense + one_hot) - 1) < 0.02
     assert np.isfinite(rep["flops"]["xla_cost_analysis_flops"])
+
+
+def test_float16_on_cpu_is_counted_as_bf16_is():
+    """XLA:CPU widens bf16 collectives to f32 but carries float16 ones as they are (and moves
+    some converts across them): the census counts f16 at 4 bytes under a float16 policy
+    (`inspect.cpu_widened`), so an fp16 plan moves what its bf16 twin moves, row by row, and
+    both are their formula's. Counted as moved, fp16's dp all-reduce is ~0.6 of it."""
+    from jaxscale import plan
+    from jaxscale.train.setup import build
+    rows = {}
+    for p in ("bf16", "fp16"):
+        cfg = tiny_config(*PLANS["dp2xfsdp2xtp2"], f"plan.precision={p}")
+        rep = inspect.report(cfg)
+        rows[p] = {(r["kind"], tuple(r["axes"])): r["bytes"] for r in rep["collectives"]}
+        for r in rep["theory"]:
+            assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=0.02), (p, r)
+    assert rows["fp16"] == rows["bf16"]
+    setup = build(tiny_config(*PLANS["dp2xfsdp2xtp2"], "plan.precision=fp16"))
+    assert inspect.cpu_widened(setup.placement.spec) == ("f16",)
+    text = setup.lower_train_step().compile().as_text()
+    raw = {(r["kind"], tuple(r["axes"])): r["bytes"] for r in inspect.census(
+        text, setup.placement.mesh, plan.branch_share(setup.placement.spec))}
+    assert raw[("all-reduce", ("dp",))] < 0.7 * rows["fp16"][("all-reduce", ("dp",))]

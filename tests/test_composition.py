@@ -148,9 +148,10 @@ def test_the_reference_takes_the_cases_micro_batches():
 
 def test_a_failure_is_named_by_its_diagnosed_cause():
     from jaxscale.analysis import sweep
-    row = {"failure": "census", "options": ["fp16", "tp"], "mesh": {"pp": 1},
-           "shape": {"model.n_layers": 4}, "temp": 1.0}
+    row = {"failure": "memory", "options": ["fp16", "tp"], "mesh": {"pp": 1},
+           "shape": {"model.n_layers": 4}, "temp": 1.27}
     assert sweep.cause(row) == "float16 on XLA:CPU"
+    assert sweep.cause({**row, "failure": "census"}) == "undiagnosed"
     row = {**row, "failure": "memory", "options": ["pp 1F1B"], "mesh": {"pp": 2},
            "shape": {"model.n_layers": 5}, "temp": 0.8}
     assert sweep.cause(row) == "uneven pipeline stages"

@@ -55,8 +55,10 @@ def shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
             for dt, dims in _SHAPE.findall(type_str)]
 
 
-def nbytes(shape_list) -> float:
-    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(dims) for dt, dims in shape_list)
+def nbytes(shape_list, widen: tuple[str, ...] = ()) -> float:
+    """Bytes of the shapes (`widen`: dtypes counted at 4 bytes)."""
+    return sum((4 if dt in widen else _DTYPE_BYTES.get(dt, 4)) * math.prod(dims)
+               for dt, dims in shape_list)
 
 
 def _depths(entry, edges, conds) -> dict[str, int]:
@@ -248,16 +250,18 @@ def collective_kind(opcode: str) -> str | None:
     return base if base in COLLECTIVES else None
 
 
-def result_bytes(ins: Instr, kind: str) -> float:
-    """Per-device result bytes of a collective, reading through async `-start` tuples."""
+def result_bytes(ins: Instr, kind: str, widen: tuple[str, ...] = ()) -> float:
+    """Per-device result bytes of a collective, reading through async `-start` tuples
+    (`widen`: dtypes counted at 4 bytes)."""
     if ins.opcode.endswith("-start"):
         elems = _tuple_elements(ins.type_str)
         if len(elems) > 1 and elems[0].startswith("("):
             # ((operands...), output(s), [context]): the generic async wrapper in its sugared
             # spelling (`reduce-scatter-start`, `all-to-all-start`, ...) and combined all-gathers
-            return nbytes(s for s in shapes(elems[1]) if s[1] or elems[1].count("[") == 1)
+            return nbytes((s for s in shapes(elems[1]) if s[1] or elems[1].count("[") == 1),
+                          widen)
     sh = [s for s in shapes(ins.type_str) if s[1] or ins.type_str.count("[") == 1]
     if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute"):
         arrays = [s for s in sh if s[1]]       # (inputs..., outputs..., [context scalars])
         sh = arrays[len(arrays) // 2:]
-    return nbytes(sh)
+    return nbytes(sh, widen)

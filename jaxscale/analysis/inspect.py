@@ -30,9 +30,10 @@ def axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
     return tuple(mesh.axis_names[i] for i in varying)
 
 
-def census(text: str, mesh: Mesh, branch_share: list[float] | None = None) -> list[dict]:
+def census(text: str, mesh: Mesh, branch_share: list[float] | None = None,
+           widen: tuple[str, ...] = ()) -> list[dict]:
     """Collectives of a compiled HLO module, aggregated by (kind, axes) (`branch_share`: see
-    `hlo.Module`)."""
+    `hlo.Module`; `widen`: dtypes counted at 4 bytes, `cpu_widened`)."""
     mod = hlo.Module(text, branch_share)
     agg: dict[tuple, dict] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0, "wire_bytes": 0.0})
     n_dev = mesh.devices.size
@@ -43,7 +44,7 @@ def census(text: str, mesh: Mesh, branch_share: list[float] | None = None) -> li
         runs = mod.runs.get(ins.computation, 0.0)
         if runs == 0:
             continue
-        size = hlo.result_bytes(ins, kind)
+        size = hlo.result_bytes(ins, kind, widen)
         if kind == "collective-permute":
             pairs = [p for p in hlo.source_target_pairs(ins.rest) if p[0] != p[1]]
             if not pairs:
@@ -181,6 +182,19 @@ def format_report(rep: dict) -> str:
 
 
 
+def cpu_widened(spec) -> tuple[str, ...]:
+    """The dtypes the census counts at 4 bytes on XLA:CPU. Its formulas count every 16-bit value
+    at 4 bytes there (`Spec.compute_itemsize`: XLA:CPU widens bf16 collectives to f32), but
+    XLA:CPU carries float16 ones as they are, and moves some converts across them (norm scales
+    and the embedding gathered in f32, their gradients and the head's softmax in f32): under a
+    float16 policy its f16 collectives count at 4 bytes too, so that one formula holds on CPU
+    for both 16-bit policies (on GPU both are counted as moved). Not with fp8 QAT, whose e4m3
+    operands XLA:CPU widens to f16 (the formulas count those at 2 bytes)."""
+    from jaxscale.strategies import precision
+    f16 = (precision.compute_dtype(spec) if spec.mixed else spec.model.dtype) == "float16"
+    return ("f16",) if f16 and spec.qat != "fp8" else ()
+
+
 def report(cfg, devices=None) -> dict:
     """Compile the train step of `cfg` without running it; the `jaxscale inspect --json` object."""
     import jax
@@ -197,16 +211,18 @@ def report(cfg, devices=None) -> dict:
     fl = flops(compiled, text, share)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     fl["model_flops_per_device"] = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / n_dev
-    observed = census(text, placement.mesh, share)
     backend = "cpu" if jax.default_backend() == "cpu" else "gpu"
     spec = placement.spec
+    widen = cpu_widened(spec) if backend == "cpu" else ()
+    observed = census(text, placement.mesh, share, widen)
     if backend == "cpu" or spec.device_kind == "cpu":     # the theory of the backend compiled for
         spec = spec.with_(device_kind="cpu" if backend == "cpu" else "h100")
     theory = theory_vs_census(plan_lib.collectives(spec), observed, backend)
     if backend == "cpu" and setup.policy.param_dtype != "float32":
+        why = ("float16 collectives counted at 4 bytes, as XLA:CPU carries bf16 ones" if widen
+               else "16-bit values carried in f32: XLA:CPU widens them after partitioning")
         for r in theory:
-            r["note"] = "; ".join(n for n in (r["note"], "16-bit values carried in f32: XLA:CPU "
-                                              "widens them after partitioning") if n)
+            r["note"] = "; ".join(n for n in (r["note"], why) if n)
     return {
         "mesh": {a: int(s)
                  for a, s in zip(placement.mesh.axis_names, placement.mesh.devices.shape)},
