@@ -114,8 +114,9 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
 
 
 def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
-    """`sweep --results`: the lines of sweeps of consecutive seeds run apart, one summary (each
-    failure with its diagnosed cause, or none); seeds with a gap are refused, naming them."""
+    """`sweep --results`: the lines of sweeps run apart, one summary (each failure with its
+    diagnosed cause, or none) and one section naming each run of seeds; a seed given twice is
+    refused, naming it."""
     from jaxscale.analysis import sweep
 
     def line(seed, ok):
@@ -128,10 +129,15 @@ def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("2 of 3 generated layouts pass (66.7%): census 1")
     assert "seed 5 (census; undiagnosed): all-reduce tp 2x" in out and "# 5`" in out
-    (tmp_path / "c.jsonl").write_text(line(9, True) + "\n")
     with pytest.raises(SystemExit):
-        sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")])
-    assert "seeds 4..9 with gaps" in capsys.readouterr().err
+        sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")])
+    assert "seeds [4, 5] more than once" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (line(4, True), line(5, False), line(9, True))]
+    assert sweep.runs([r["seed"] for r in rows]) == [(4, 2), (9, 1)]
+    rows = [{**r, "mesh": {"dp": 8}, "shape": {}} for r in rows]
+    text = sweep.docs_section(rows)
+    assert "`python -m jaxscale.analysis.sweep --cases 2 --seed 4` and `python -m " \
+        "jaxscale.analysis.sweep --cases 1 --seed 9` draw 3 plans" in text
 
 
 def test_the_reference_takes_the_cases_micro_batches():
