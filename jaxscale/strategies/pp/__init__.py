@@ -134,9 +134,9 @@ def memory(spec) -> list[Term]:
         return []
     slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
-    held = precision.compute_itemsize(spec) / spec.compute_itemsize
-    stream = boundary_bytes(spec) * held
-    out = [Term("activations", la.saved * held * spec.stored_layers * extra,
+    as_stored = precision.compute_itemsize(spec) / spec.compute_itemsize
+    stream = boundary_bytes(spec) * as_stored
+    out = [Term("activations", la.saved * as_stored * spec.stored_layers * extra,
                 f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
                 f"and of the one being stored"),
            Term("activations", stream * (slots["act"] + slots["grad"]),
@@ -149,7 +149,7 @@ def memory(spec) -> list[Term]:
                    Term("host", held - la.host * spec.stored_layers,
                         "offloaded residuals of the micro-batches in flight", part="activations"))
     if spec.schedule in ps.SPLIT:
-        out.append(Term("activations", tape_bytes(spec) * held * spec.stored_layers / v
+        out.append(Term("activations", tape_bytes(spec) * as_stored * spec.stored_layers / v
                         * (slots["tape"] + 1), f"tape slots: the matmul inputs and output "
                         f"gradients B keeps for W ({slots['tape']}, and the one being stored)"))
     return out
