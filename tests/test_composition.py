@@ -107,6 +107,8 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
     assert N.combine([N.FP32, N.COMPRESSION["int8"]]).grad_steps is None
     assert N.combine([N.FP32, N.QAT_INT8]).grad_steps is None
     assert N.combine([N.FP32, N.QAT_FP8, N.COMPRESSION["int8"]]).grad_steps == 1
+    assert N.combine([N.FP32, N.MOE]).grad_steps is None      # a router's choices alone
+    assert N.combine([N.FP32, N.MOE, N.BF16]).grad_steps == 1  # ... beside a lossy source
     case = generate.draw(41)                    # fp16 and fp8 QAT among its options
     assert {"fp16", "QAT fp8"} <= set(case.options)
     assert generate.tolerance(case).grads == pytest.approx(
@@ -162,5 +164,7 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
            "shape": {"model.n_layers": 5}, "temp": 0.8}
     assert sweep.cause(row) == "uneven pipeline stages"
     assert sweep.cause({**row, "shape": {"model.n_layers": 6}}) == "undiagnosed"
+    assert sweep.cause({**row, "failure": "numerics", "options": ["ep", "bf16"]}) == \
+        "16-bit routing"
     assert sweep.cause({**row, "options": ["pp ZB-V"], "shape": {"model.n_layers": 6}}) == \
         "uneven pipeline stages"                  # 6 layers over 2 x 2 virtual stages

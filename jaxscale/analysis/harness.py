@@ -66,8 +66,12 @@ class Tolerance:
 
 FP32 = Tolerance(1e-5, 1e-5, 2e-2, 1e-3, "fp32 in another reduction order")
 #: a mixture of experts over ep x tp: each token's output sums its experts' outputs (and the
-#: router's gradient its experts' terms) in another order; measured 1.2e-5 on pp2 x ep2 x tp2
-MOE = Tolerance(3e-5, 1e-5, 2e-2, 1e-3, "fp32, the experts' sums in another order")
+#: router's gradient its experts' terms) in another order; measured 1.2e-5 on pp2 x ep2 x tp2.
+#: The router's top-k is a discrete choice, as a quantised operand's rounding is (`rounds`):
+#: beside a lossy source, tokens near a tie change experts once the weights part (ep2 with bf16:
+#: the router's gradient 0.52 of its largest off at update 2, within bounds at update 0)
+MOE = Tolerance(3e-5, 1e-5, 2e-2, 1e-3, "fp32, the experts' sums in another order",
+                rounds=True)
 BF16 = Tolerance(3e-2, 5e-4, None, 2e-2, "bf16 gradients: 8 significant bits")
 
 

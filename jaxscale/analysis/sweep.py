@@ -74,6 +74,12 @@ KNOWN = [
      "buffers in f16: the planner, counting 16-bit activations at 4 bytes on CPU, is 1.2-1.45x "
      "the compiled temp on float16 plans (and 0.9-1.2x counting them at 2; the census counts "
      "f16 collectives as bf16's, `inspect.cpu_widened`)"),
+    ("16-bit routing", lambda r: r["failure"] == "numerics"
+     and {"MoE", "ep"} & set(r["options"]) and {"bf16", "fp16"} & set(r["options"]),
+     "a mixture's top-k in 16 bits: another reduction order sends tokens near a tie to another "
+     "expert even at equal weights, moving whole tokens' gradients (ep2 in bf16: an expert "
+     "weight's gradient 5% of its largest off at update 0), which no rounding bound covers; the "
+     "check needs a bound by the share of tokens routed apart, as pruning's by masks flipped"),
     ("uneven pipeline stages", lambda r: r["failure"] == "memory" and r["mesh"]["pp"] > 1
      and _uneven(r) and (r["temp"] or 1) < 1,
      "layers that do not split evenly over the stages (5 over 2): the engine's branches for "
