@@ -11,6 +11,7 @@ option) into docs/composition.md after the pair table, and docs/img/composition_
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -40,15 +41,30 @@ def _line(i: int, n: int, r: dict) -> str:
             f" temp {temp:>5} {r['seconds']:5.0f} s  {what}")
 
 
+def one(seed: int) -> dict:
+    """Check case `seed` in a child process: a compiler that aborts (an XLA check failure ends
+    the process) is the case's result, `crash`, not the sweep's end."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "jaxscale.analysis.sweep", "--case", str(seed)],
+                          capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    res = generate.Result(generate.draw(seed), failure="crash", detail=next(
+        (x for x in done.stderr.splitlines() if x.startswith(("F", "Fatal", "Traceback"))),
+        done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+        f"exit {done.returncode}")[:200])
+    return row(res, time.perf_counter() - t0)
+
+
 def run(n: int, seed: int, out: Path | None = None) -> list[dict]:
-    """Check cases `seed` .. `seed + n - 1`, printing each as it finishes."""
+    """Check cases `seed` .. `seed + n - 1`, each in its own process (`one`), printing each as
+    it finishes."""
     rows = []
     sink = open(out, "w") if out else None
     try:
         for i in range(n):
-            case = generate.draw(seed + i)
-            t0 = time.perf_counter()
-            r = row(generate.check(case), time.perf_counter() - t0)
+            r = one(seed + i)
             rows.append(r)
             print(_line(i + 1, n, r), flush=True)
             if sink:
@@ -167,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="each result as a JSON line here")
     ap.add_argument("--update-docs", action="store_true",
                     help=f"write the results into {composition.DOC} and {FIGURE}")
+    ap.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)   # `one`'s child
     ap.add_argument("--results", type=Path, nargs="+", default=None, metavar="JSONL",
                     help="summarise these --out files (sweeps run apart, e.g. one per core) "
                          "instead of running cases")
@@ -184,6 +201,11 @@ def main(argv=None) -> int:
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.case is not None:
+        t0 = time.perf_counter()
+        res = generate.check(generate.draw(args.case))
+        print(json.dumps(row(res, time.perf_counter() - t0)))
+        return 0
     return _report(run(args.cases, args.seed, args.out), args.update_docs)
 
 
