@@ -168,3 +168,16 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
         "16-bit routing"
     assert sweep.cause({**row, "options": ["pp ZB-V"], "shape": {"model.n_layers": 6}}) == \
         "uneven pipeline stages"                  # 6 layers over 2 x 2 virtual stages
+
+
+def test_a_case_that_aborts_its_process_is_a_crash_not_the_sweeps_end():
+    """Seed 1128 (dp2 x tp4, bf16, Megatron SP, accumulation) ends XLA:CPU's compiler with a
+    check failure; each case runs in its own process, so the sweep records it and goes on."""
+    import sys
+
+    from jaxscale.analysis import sweep
+    code = "import sys; sys.stderr.write('F1206 hlo_instruction.cc] Invalid\\n'); sys.exit(-6)"
+    r = sweep.one(7, [sys.executable, "-c", code])
+    assert (r["seed"], r["ok"], r["failure"]) == (7, False, "crash")
+    assert r["detail"].startswith("F1206 hlo_instruction.cc] Invalid")
+    assert r["command"].startswith("jaxscale train llama_tiny")

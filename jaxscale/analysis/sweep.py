@@ -41,12 +41,12 @@ def _line(i: int, n: int, r: dict) -> str:
             f" temp {temp:>5} {r['seconds']:5.0f} s  {what}")
 
 
-def one(seed: int) -> dict:
-    """Check case `seed` in a child process: a compiler that aborts (an XLA check failure ends
-    the process) is the case's result, `crash`, not the sweep's end."""
+def one(seed: int, child: list[str] | None = None) -> dict:
+    """Check case `seed` in a child process (`child`: its command line): a compiler that aborts
+    (an XLA check failure ends the process) is the case's result, `crash`, not the sweep's end."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "jaxscale.analysis.sweep", "--case", str(seed)],
-                          capture_output=True, text=True)
+    child = child or [sys.executable, "-m", "jaxscale.analysis.sweep", "--case", str(seed)]
+    done = subprocess.run(child, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
