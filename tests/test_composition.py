@@ -165,7 +165,13 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
     assert sweep.cause(row) == "uneven pipeline stages"
     assert sweep.cause({**row, "shape": {"model.n_layers": 6}}) == "undiagnosed"
     assert sweep.cause({**row, "failure": "numerics", "options": ["ep", "bf16"]}) == \
-        "16-bit routing"
+        "routing under rounding"
+    assert sweep.cause({**row, "failure": "numerics", "detail": "grads 1.29e-05 > 1e-05 (worst: "
+                        "...)"}) == "fp32 reduction order"
+    assert sweep.cause({**row, "failure": "numerics", "detail": "grads 3e-05 > 1e-05"}) == \
+        "undiagnosed"
+    assert sweep.cause({**row, "failure": "crash", "options": ["bf16", "Megatron SP"]}) == \
+        "XLA:CPU aborts"
     assert sweep.cause({**row, "options": ["pp ZB-V"], "shape": {"model.n_layers": 6}}) == \
         "uneven pipeline stages"                  # 6 layers over 2 x 2 virtual stages
 

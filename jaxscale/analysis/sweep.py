@@ -90,12 +90,29 @@ KNOWN = [
      "buffers in f16: the planner, counting 16-bit activations at 4 bytes on CPU, is 1.2-1.45x "
      "the compiled temp on float16 plans (and 0.9-1.2x counting them at 2; the census counts "
      "f16 collectives as bf16's, `inspect.cpu_widened`)"),
-    ("16-bit routing", lambda r: r["failure"] == "numerics"
-     and {"MoE", "ep"} & set(r["options"]) and {"bf16", "fp16"} & set(r["options"]),
-     "a mixture's top-k in 16 bits: another reduction order sends tokens near a tie to another "
-     "expert even at equal weights, moving whole tokens' gradients (ep2 in bf16: an expert "
-     "weight's gradient 5% of its largest off at update 0), which no rounding bound covers; the "
-     "check needs a bound by the share of tokens routed apart, as pruning's by masks flipped"),
+    ("routing under rounding", lambda r: r["failure"] == "numerics"
+     and {"MoE", "ep"} & set(r["options"]) and {"bf16", "fp16", "QAT fp8"} & set(r["options"]),
+     "a mixture's top-k on 16-bit or fp8 values: another reduction order sends tokens near a tie "
+     "to another expert even at equal weights, moving whole tokens' gradients (ep2 in bf16: an "
+     "expert weight's gradient 5% of its largest off at update 0), which no rounding bound "
+     "covers; the check needs a bound by the share of tokens routed apart, as pruning's by "
+     "masks flipped"),
+    ("fp32 reduction order", lambda r: r["failure"] == "numerics"
+     and r["detail"].startswith("grads ") and "; " not in r["detail"].split(" (")[0]
+     and float(r["detail"].split()[1]) < 2e-5,
+     "the gradients alone, 1.2-1.7e-5 of a leaf's largest against FP32's 1e-5 (measured on "
+     "fewer partial sums): fp32 sums in another order over micro-batches, tp and pipeline "
+     "stages"),
+    ("ZeRO-3 x experts grouping", lambda r: r["failure"] == "census" and "ZeRO-3" in r["options"]
+     and {"MoE", "ep"} & set(r["options"]) and ",ep " in r["detail"],
+     "XLA reduces a gradient over the axes its ZeRO-3 shard spans and then over ep, where the "
+     "formula reduces it over (dp, fsdp, ep) at once (dp2 x fsdp2 x ep2: the rows' totals "
+     "within 4%, their groups apart)"),
+    ("XLA:CPU aborts", lambda r: r["failure"] == "crash" and "bf16" in r["options"]
+     and "Megatron SP" in r["options"],
+     "XLA:CPU's compiler aborts (hlo_instruction.cc: \"Invalid binary instruction opcode "
+     "copy\") on bf16 plans with Megatron SP and micro-batches (seed 1128, dp2 x tp4: in fp32, "
+     "with one micro-batch or without SP it compiles)"),
     ("uneven pipeline stages", lambda r: r["failure"] == "memory" and r["mesh"]["pp"] > 1
      and _uneven(r) and (r["temp"] or 1) < 1,
      "layers that do not split evenly over the stages (5 over 2): the engine's branches for "
