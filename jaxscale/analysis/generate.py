@@ -99,8 +99,7 @@ def _shape(rng: random.Random, mesh, extra: dict) -> dict[str, int]:
     dim = rng.choice([d for d in DIMS if d % (hd * tp) == 0] or [hd * tp * 4])
     heads = dim // hd
     kv = rng.choice([k for k in range(1, heads + 1) if heads % k == 0 and k % tp == 0])
-    chunks = 2 if extra.get("plan.schedule") == "zb-v" else int(extra.get("plan.virtual_stages", 1))
-    stages = pp * chunks
+    stages = pp * chunks(extra)
     layers = rng.randint(max(2, stages), max(5, stages))
     seq = rng.choice([s for s in SEQS if s % (2 * sp) == 0])
     acc = int(extra.get("plan.accumulate", 1))
@@ -112,6 +111,12 @@ def _shape(rng: random.Random, mesh, extra: dict) -> dict[str, int]:
     if "model.moe_experts" in extra:
         out["model.moe_experts"] = mesh["ep"] * rng.choice((2, 4)) if mesh["ep"] > 1 else 4
     return out
+
+
+def chunks(settings: dict) -> int:
+    """Virtual stages per pipeline device of a case's plan settings (`schedules.chunks`)."""
+    from jaxscale.strategies.pp.schedules import chunks as of
+    return of(settings.get("plan.schedule", "1f1b"), int(settings.get("plan.virtual_stages", 1)))
 
 
 def draw(seed: int) -> Case:

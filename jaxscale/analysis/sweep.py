@@ -77,8 +77,8 @@ def run(n: int, seed: int, out: Path | None = None) -> list[dict]:
 
 
 def _uneven(r: dict) -> bool:
-    chunks = 2 if {"pp interleaved", "pp ZB-V"} & set(r["options"]) else 1
-    return r["shape"]["model.n_layers"] % (r["mesh"]["pp"] * chunks) != 0
+    settings = dict(o.split("=", 1) for o in composition.overrides(*r["options"]))
+    return r["shape"]["model.n_layers"] % (r["mesh"]["pp"] * generate.chunks(settings)) != 0
 
 
 #: failures whose mechanism is diagnosed but not yet fixed: (name, whether a result row shows
