@@ -191,7 +191,7 @@ def cpu_widened(spec) -> tuple[str, ...]:
     for both 16-bit policies (on GPU both are counted as moved). Not with fp8 QAT, whose e4m3
     operands XLA:CPU widens to f16 (the formulas count those at 2 bytes)."""
     from jaxscale.strategies import precision
-    f16 = (precision.compute_dtype(spec) if spec.mixed else spec.model.dtype) == "float16"
+    f16 = precision.activation_dtype(spec) == "float16"
     return ("f16",) if f16 and spec.qat != "fp8" else ()
 
 

@@ -114,9 +114,15 @@ def param_itemsize(spec) -> int:
         dtype_bytes(spec.model.param_dtype)
 
 
+def activation_dtype(spec) -> str:
+    """The dtype activations are computed in: the policy's under mixed precision, else the
+    model's."""
+    return _BASE[spec.precision][1] if mixed(spec) else spec.model.dtype
+
+
 def compute_itemsize(spec) -> int:
     """Bytes of an activation element in the compute dtype (before any backend widening)."""
-    return dtype_bytes(_BASE[spec.precision][1]) if mixed(spec) else dtype_bytes(spec.model.dtype)
+    return dtype_bytes(activation_dtype(spec))
 
 
 def state_bytes(spec) -> dict[str, float]:
