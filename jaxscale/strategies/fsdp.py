@@ -20,12 +20,17 @@ tp2, 1.30x on dp2 x fsdp2 x tp2). The gradient reduce-scatter is part of the dat
 ZeRO-3 over `dp` is FSDP over (dp, fsdp): the same gathers, over both axes. With
 `plan.grad_sync=step` and micro-batches the parameters are gathered once, at the start of the
 step, and held whole over these axes until its end (`dp.memory` counts them): one all-gather per
-parameter per step in place of the per-use ones.
+parameter per step in place of the per-use ones. Where the data region is manual over dp alone
+(a strategy's own mean over dp, gradient compression or the sparse embedding, under ZeRO-3), it
+takes the parameters gathered over dp once, at its entry (ZeRO-3's (dp, fsdp)-nested shards
+re-laid into fsdp's order by collective-permutes, the stored shard moved twice), and gathers
+over fsdp per use inside.
 """
 from __future__ import annotations
 
 import math
 
+from jaxscale.axes import MESH_AXES, entry_axes
 from jaxscale.strategies import dp, qat, zero, zeropp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.activations import grouped
@@ -64,6 +69,28 @@ def collectives(spec) -> list[Comm]:
         return [Comm("all-gather", axes, sum(leaf.local_size(spec, drop=("fsdp",)) for leaf in ls)
                      * pb, len(ls), "parameters, once per step (plan.grad_sync=step)", group=n,
                      overlap=True)]
+    out = []
+    once = tuple(a for a in axes if a in dp.sync_axes(spec))
+    if once:            # the data region, manual over `once`, gathers them at its entry
+        split = [leaf for leaf in leaves(spec.model) if any(
+            a in once for e in zero.stored_spec(spec, leaf) for a in entry_axes(e))]
+        out.append(Comm("all-gather", once, sum(
+            zero.stored_size(spec, leaf, drop=once) for leaf in split) * pb, len(split),
+            f"parameters over {' x '.join(once)}, once per step at the data region's entry",
+            group=math.prod(spec.deg(a) for a in once), overlap=True))
+        axes = tuple(a for a in axes if a not in once)
+        n = math.prod(spec.deg(a) for a in axes)
+        # ZeRO-3 nests dp before fsdp on one dimension (`zero.shard_entries`): gathered over dp
+        # alone, the pieces land out of fsdp's order, and XLA re-lays the stored shard with
+        # collective-permutes moving it twice (dp2 and dp4 x fsdp2, fp32 and bf16)
+        nested = [leaf for leaf in split if any(
+            set(entry_axes(e)) & set(once) and set(entry_axes(e)) & set(axes)
+            for e in zero.stored_spec(spec, leaf))]
+        if nested:
+            out.append(Comm("collective-permute", tuple(a for a in MESH_AXES if a in once + axes),
+                            2 * sum(zero.stored_size(spec, leaf) for leaf in nested) * pb,
+                            2 * len(nested), "ZeRO-3's (dp, fsdp)-nested shards re-laid into "
+                            "fsdp's order for the data region", group=2, overlap=True))
     # outside the layers: gathered once per step, or with pipelining on its stage once per
     # micro-batch
     pipelined = spec.deg("pp") > 1
@@ -97,7 +124,7 @@ def collectives(spec) -> list[Comm]:
             if leaf.use != "embedding":
                 outer_b += size * runs(leaf)
                 count_b += 1
-    out = [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
+    out += [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
                 "parameters, forward", group=n, overlap=True),
            Comm("all-gather", axes, layer_b * k + outer_b, count_b * k,
                 "layer parameters and final norm, backward (the embedding is not regathered)",

@@ -243,15 +243,18 @@ def memory(spec) -> list[Term]:
     over them for the whole step, and the fp32 accumulator whole over them (beyond the sharded
     one `accumulate` counts)."""
     split = [a for a in split_axes(spec) if a in sync_axes(spec)]
-    if not split or spec.accumulate <= 1:
+    if not split:
         return []
     from jaxscale.strategies import zero as zero_lib
     from jaxscale.strategies.tables.params import leaves
     whole = sum(leaf.local_size(spec, drop=tuple(split)) for leaf in leaves(spec.model))
     held = zero_lib.shards(spec).params
     over, more = "x".join(split), whole - held
-    return [Term("backward", more * spec.param_itemsize,
-                 f"parameters gathered over {over} for the step (grad_sync=step)"),
+    gathered = Term("backward", more * spec.param_itemsize,
+                    f"parameters gathered over {over} for the step (the data region's entry)")
+    if spec.accumulate <= 1:
+        return [gathered]
+    return [gathered,
             Term("backward", 2 * more * 4,
                  f"fp32 gradient accumulator whole over {over}, the loop's carry in and out "
                  f"(grad_sync=step)"),

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from jaxscale.axes import MESH_AXES
+from jaxscale.axes import DATA_AXES, MESH_AXES
 from jaxscale.hooks import register
 from jaxscale.strategies import dp, remat
 from jaxscale.strategies.common import Comm, Term
@@ -95,6 +95,14 @@ def collectives(spec) -> list[Comm]:
     per_layer = 4 + 2 * replay
     n = per_layer * L * k
     out = []
+    stats = _stat_axes(spec)
+    if stats:
+        E = m.moe_experts
+        out.append(Comm("all-reduce", stats, 4 * E * (3 + 2 * replay) * L * k,
+                        (2 + replay) * L * k, "the router's balance statistics (expert shares "
+                        "and mean probabilities; the latter's cotangent in the backward) over the "
+                        "data shards of the step's manual region", group=math.prod(
+                            spec.deg(a) for a in stats)))
     if grouped(spec):
         x = exchange(spec)
         routed = x.tokens * m.moe_top_k * m.dim * beta
@@ -121,13 +129,21 @@ def collectives(spec) -> list[Comm]:
                             group=math.prod(spec.deg(a) for a in axes)))
         return out
     if e == 1:
-        return []
+        return out
     tokens = spec.micro_batch * spec.local_seq
     buf = tokens * expert_rows(spec) * m.dim * beta
     routed = tokens * m.moe_top_k * m.dim * beta
-    return [Comm("all-to-all", ("ep",), buf * n, n,
-                 f"MoE dispatch and combine, forward and backward ({per_layer} per layer)",
-                 group=e, minimum=routed * n)]
+    return out + [Comm("all-to-all", ("ep",), buf * n, n,
+                       f"MoE dispatch and combine, forward and backward ({per_layer} per layer)",
+                       group=e, minimum=routed * n)]
+
+
+def _stat_axes(spec) -> tuple[str, ...]:
+    """The data axes a MoE layer averages its balance statistics over (`models.moe.balance_loss`
+    via `axes.data_mean`): those the step runs manual over, the data region's (`dp.sync_axes`)
+    and dp under local SGD (its replicas' step)."""
+    manual = set(dp.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    return tuple(a for a in MESH_AXES if a in manual and a in DATA_AXES and spec.deg(a) > 1)
 
 
 def _token_axes(spec) -> tuple[str, ...]:
