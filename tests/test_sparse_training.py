@@ -1,6 +1,8 @@
 """Sparse training in the train step: pruning masks (magnitude, 2:4) that hold after every update
 on a parallel plan, distillation from a frozen teacher restored from a checkpoint, and the sparse
 embedding-gradient exchange over dp (equal to the dense all-reduce, fewer bytes in the census)."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,30 @@ def test_sharded_masks_equal_global_masks_and_census_is_the_formula(magnitude_mi
             inspect.theory_vs_census(plan.collectives(spec), census)}
     gather = rows[("all-gather", ("fsdp", "tp"))]        # the sort's gather of each matrix
     assert gather["theory_bytes"] == gather["census_bytes"] > 0
+
+
+def test_zero1_masks_its_shards_before_the_gather():
+    """2:4 under ZeRO-1 in fp32 (no master: the working weights are updated on their dp shards):
+    each weight is masked on its shard and gathered over dp once, so the step's dp all-gathers
+    move at most every parameter's model-layout shard once (fp32); masked after the gather,
+    XLA gathered the block weights twice (the weights for the mask, then the product)."""
+    s = build(tiny_config(*MIX, "plan.zero=1", "plan.prune=2:4"))
+    exe = s.lower_train_step().compile()
+    spec = s.placement.spec
+    census = inspect.census(exe.as_text(), s.placement.mesh)
+    rows = {(r["kind"], tuple(r["axes"])): r for r in
+            inspect.theory_vs_census(plan.collectives(spec), census)}
+    gather = rows[("all-gather", ("dp",))]
+    once = 4 * sum(math.prod(a.shape) / math.prod(
+        spec.deg(m) for e in sp for m in ((e,) if isinstance(e, str) else e or ()))
+        for a, sp in zip(jax.tree.leaves(s.model.abstract_params),
+                         jax.tree.leaves(s.layout.specs.model, is_leaf=lambda x: isinstance(x, P))))
+    assert gather["census_bytes"] == pytest.approx(gather["theory_bytes"], rel=0.02)
+    assert 0 < gather["census_bytes"] <= once
+    state, _ = run(s, 1, exe=exe)          # initialised dense: the step's masks alone
+    for name, names, w in pruned(jax.tree.map(np.asarray, state.params), s.model.logical):
+        groups = np.moveaxis(w, contracted_axes(names)[-1], -1).reshape(-1, 4)
+        assert np.all(np.sum(groups != 0, axis=1) == 2), name
 
 
 # ----------------------------------------------------------------------------- sparse embedding
