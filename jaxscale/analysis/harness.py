@@ -31,6 +31,7 @@ A broken plan moves both by whole learning rates (the negative controls in `test
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -224,7 +225,14 @@ def moved(t: Trajectory) -> float:
 
 
 def one_device(*overrides, steps: int = STEPS) -> Trajectory:
-    """The reference: the same model and options on one device."""
+    """The reference: the same model and options on one device, run once per process for the
+    same overrides and steps (many checks compare plans against one reference: read it, never
+    change it)."""
+    return _one_device(tuple(overrides), steps)
+
+
+@functools.lru_cache(maxsize=16)
+def _one_device(overrides: tuple[str, ...], steps: int) -> Trajectory:
     return run((*overrides, *MESH_1), jax.devices()[:1], steps)
 
 
