@@ -4,6 +4,7 @@ Every refusal between options that involve neither the pipeline nor mixture-of-e
 that no implementation could run, named in `REASONS` with why, or one of the few `PENDING`
 (to be built); `docs/composition.md` is the table the code gives today.
 """
+import dataclasses
 import json
 
 import pytest
@@ -111,8 +112,26 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
     assert N.combine([N.FP32, N.MOE, N.BF16]).grad_steps == 1  # ... beside a lossy source
     case = generate.draw(41)                    # fp16 and fp8 QAT among its options
     assert {"fp16", "QAT fp8"} <= set(case.options)
-    assert generate.tolerance(case).grads == pytest.approx(
-        1e-5 + 3e-2 + 3e-5 + 8 / 254 + 2 ** -3)
+    assert generate.tolerance(case).grads == pytest.approx(     # dp, pp, sp, micro-batches:
+        2e-5 + 3e-2 + 3e-5 + 8 / 254 + 2 ** -3)                   # fp32's 1e-5 x 4 / 2
+
+
+def test_fp32_bound_grows_with_the_sums_split_and_stays_far_below_a_lost_reduction():
+    """`generate.fp32`: FP32's 1e-5 of a leaf's largest gradient for up to two reordered sums
+    (the mesh axes a gradient's sum is split over, and the micro-batches), half of it for each
+    one more: dp2 x fsdp2 x tp2, three: 1.5e-5; the widest mesh of 8 devices with micro-batches
+    (four axes of 2 and accumulation) 2.5e-5, while a reduction lost over an axis of 2 is off by
+    half the gradient."""
+    from jaxscale.analysis import generate
+    case = generate.draw(1122)
+    assert dict(case.mesh) == {"dp": 2, "pp": 1, "fsdp": 2, "ep": 1, "sp": 1, "tp": 2}
+    assert generate.fp32(case).grads == pytest.approx(1.5e-5)
+    flat = dataclasses.replace(case, mesh=(("dp", 8),))
+    assert generate.fp32(flat).grads == 1e-5
+    widest = dataclasses.replace(case, mesh=tuple((a, 2) for a in ("dp", "pp", "sp", "tp")),
+                                 options=("accumulation",))
+    assert generate.fp32(widest).grads == pytest.approx(2.5e-5)
+    assert generate.fp32(widest).grads < 0.5 / 1000
 
 
 def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
