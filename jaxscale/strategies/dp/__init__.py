@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from jaxscale.axes import DATA_AXES, MESH_AXES
+from jaxscale.axes import DATA_AXES, MESH_AXES, entry_axes
 from jaxscale.strategies.accumulate import region_loops
 from jaxscale.strategies.common import Comm, Term, own_mean
 from jaxscale.strategies.tables.activations import grouped
@@ -128,6 +128,7 @@ def collectives(spec) -> list[Comm]:
         once.discard("dp")   # compression/ and sparse_embedding.py reduce dp then
     zero = spec.zero if spec.deg("dp") > 1 else 0
     L = spec.layers_per_device
+    from jaxscale.strategies import zero as zero_lib
     from jaxscale.strategies.zero import gather_axes, stored_spec
     from jaxscale.strategies.zeropp import reduced
     quantised = reduced(spec)
@@ -193,9 +194,13 @@ def collectives(spec) -> list[Comm]:
             continue
         cm = spec.tp_overlap != "none" and leaf.stacked      # in the collective matmul's region
         if zero >= 2 and "dp" in rest:
-            # a layer's matmul weights (in the scan) with ep among the replicas: XLA reduces
-            # over ep in the same group (the head, outside it, over ep after)
-            group = [a for a in rest if a in ("dp", "fsdp") or (a == "ep" and leaf.stacked)]
+            # a layer's matmul weights (in the scan) with ep among the replicas, split over dp
+            # on the layer axis: each layer's gradient is whole in the scan and XLA reduces over
+            # ep in the same group; split within a layer (dp4 x ep2, ZeRO-3 on the embed axis),
+            # or the head outside the scan, the dp shard is reduced over ep after
+            whole = leaf.stacked and "dp" in entry_axes(zero_lib.shard_entries(
+                stored_spec(spec, leaf), leaf.shape, spec.degrees, zero)[0])
+            group = [a for a in rest if a in ("dp", "fsdp") or (a == "ep" and whole)]
             add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "
                 "(dp nested in fsdp's dimension: one reduction group)")
             rest = [a for a in rest if a not in group]
