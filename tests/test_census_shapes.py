@@ -22,12 +22,16 @@ kv heads, ffn 224, vocab 509, seq 64) where two mechanisms once moved more than 
   nesting into fsdp's order by collective-permutes) and gathers over fsdp per use, where the
   formula gathered over (dp, fsdp) per use; a mixture's balance statistics are averaged over
   dp inside it, per layer (the formula had none);
+- a mixture under a remat policy that saves its dots: the MoE layer still replays (its dispatch
+  and batched expert matmuls carry no saved tag), gathering its experts and router over fsdp
+  and the sequence's expert ids over sp again (the formula replayed it under full remat only,
+  and kept the gathered experts for the backward);
 - ZeRO-3 x ep with dp splitting a layer's weights within the layer (5 layers over dp4: on the
   embed axis): each layer's non-expert gradient is reduce-scattered over dp and its shard
   all-reduced over ep, where the formula reduced it over (dp, ep) as one group (right where dp
   splits the layer axis, each layer's gradient whole in the scan).
 
-Each plan compiles once: the file takes about 100 s on 2 cores."""
+Each plan compiles once: the file takes about 115 s on 2 cores."""
 import functools
 import math
 
@@ -66,6 +70,10 @@ PLANS = {
     "dp4 x fsdp2 ZeRO-3 int8 MoE": ("mesh.dp=4", "mesh.fsdp=2", "mesh.tp=1", "plan.zero=3",
                                     "plan.compression=int8", "model.moe_experts=4",
                                     "data.batch_size=8"),
+    "dp2 x fsdp2 x sp2 MoE Ulysses save_dots": ("mesh.dp=2", "mesh.fsdp=2", "mesh.sp=2",
+                                                 "mesh.tp=1", "plan.context=ulysses",
+                                                 "plan.remat=save_dots", "model.moe_experts=4",
+                                                 "data.batch_size=8"),
     "dp4 x ep2 ZeRO-3 MoE": ("mesh.dp=4", "mesh.ep=2", "mesh.fsdp=1", "mesh.tp=1", "plan.zero=3",
                              "model.moe_experts=4", "data.batch_size=8"),
 }

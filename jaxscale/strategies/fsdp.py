@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from jaxscale.axes import MESH_AXES, entry_axes
-from jaxscale.strategies import dp, qat, zero, zeropp
+from jaxscale.strategies import dp, qat, remat, zero, zeropp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import leaves, outer_runs
@@ -109,8 +109,10 @@ def collectives(spec) -> list[Comm]:
             q = qat.weight_gathers(spec, leaf)       # QAT's 8-bit weights
             layer_f += size if q is None else q.forward
             count_f += 0 if q is None else (q.forward_count - 1) * int(spec.layers_per_device)
-            if grouped(spec) and ("experts" in leaf.axes or leaf.use == "router"):
+            if grouped(spec) and ("experts" in leaf.axes or leaf.use == "router") and not (
+                    remat.active(spec)):
                 continue     # the grouped experts keep their gathered weights and the router
+                # (under any remat policy the MoE layer replays and gathers them again)
             layer_b += size if q is None else q.backward
             least_b += size if q is None else q.backward_minimum
             count_b += int(spec.layers_per_device if leaf.stacked else 1) * (

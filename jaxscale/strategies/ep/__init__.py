@@ -25,9 +25,11 @@ Its collectives and their cost, per MoE layer and micro-batch, by the dispatch a
   `plan.moe_dispatch=ragged` sends the same blocks through `jax.lax.ragged_all_to_all`,
   moving only the filled rows (GPUs; XLA:CPU cannot run it).
 
-A full-remat policy replays the forward's all-to-alls in the backward (6 per layer, and the
-counts' twice): the combine's backward needs each token's expert outputs. Expert gradients are
-complete where the experts live, so they are not reduced over `ep` (`strategies/dp`).
+Any remat policy replays the forward's all-to-alls in the backward (6 per layer, and the
+counts' twice): the combine's backward needs each token's expert outputs, and a MoE layer's
+dispatch and batched expert matmuls carry no tag a policy saves (save_dots included). Expert
+gradients are complete where the experts live, so they are not reduced over `ep`
+(`strategies/dp`).
 
 The step side: `Sharded`, the implementation of the model's `experts` seam
 (`jaxscale.hooks.experts`) under a plan.
@@ -91,7 +93,9 @@ def collectives(spec) -> list[Comm]:
     if not spec.moe:
         return []
     m, k, L = spec.model, max(1, spec.accumulate), moe_layers(spec)
-    beta, replay = spec.compute_itemsize, remat.actions(spec.remat)["mlp_down"] == "remat"
+    # under any remat policy a MoE layer replays: its dispatch and its experts' batched
+    # matmuls carry no saved tag (`models.moe`)
+    beta, replay = spec.compute_itemsize, remat.active(spec)
     per_layer = 4 + 2 * replay
     n = per_layer * L * k
     out = []
@@ -119,8 +123,10 @@ def collectives(spec) -> list[Comm]:
         seq = tokens_split(spec)
         if seq and not m.moe_dropless:   # the sequence's expert ids, for its capacity
             nbytes = spec.micro_batch * spec.local_seq * spec.deg("sp") * m.moe_top_k * 4
-            out.append(Comm("all-gather", seq, nbytes * L * k, L * k, "the expert ids of the "
-                            "whole sequence (capacity counted in token order)",
+            runs = (1 + replay) * L * k
+            out.append(Comm("all-gather", seq, nbytes * runs, runs, "the expert ids of the "
+                            "whole sequence (capacity counted in token order; again in a "
+                            "replayed layer)",
                             group=math.prod(spec.deg(a) for a in seq)))
         axes = _token_axes(spec)
         if axes and (e > 1 or not m.moe_dropless):

@@ -30,6 +30,7 @@ import math
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.remat import actions, parse
+from jaxscale.strategies.remat import active as remat_active
 from jaxscale.strategies.tables.activations import (
     exchange,
     expert_rows,
@@ -183,7 +184,7 @@ def _grouped_rows(spec) -> list[Comm]:
     if not (grouped_experts(spec) and "tp" in tokens_split(spec)):
         return []
     t, k, Lm, m = spec.deg("tp"), max(1, spec.accumulate), moe_layers(spec), spec.model
-    replay = actions(spec.remat)["mlp_down"] == "remat"
+    replay = remat_active(spec)          # a MoE layer replays under any policy (`strategies.ep`)
     x = exchange(spec)
     rows = x.rows * m.dim * spec.compute_itemsize
     n, runs = (2 + replay) * Lm * k, (1 + replay) * Lm * k
