@@ -184,6 +184,10 @@ def memory(spec) -> list[Term]:
         if not grouped(spec):
             return []
         held = sum(leaf.local_size(spec, drop=axes) for leaf in experts)
+        if remat.active(spec):      # replayed: each layer gathers them again (`collectives`)
+            return lowering + [Term("backward", held / spec.stored_layers
+                                    * spec.wire_param_itemsize, "one MoE layer's expert weights "
+                                    f"as gathered over {'x'.join(axes)} for its replay")]
         return lowering + [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's "
                                 f"expert weights as gathered over {'x'.join(axes)}, kept for "
                                 "the backward (grouped experts)")]
