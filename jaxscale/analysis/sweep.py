@@ -97,17 +97,6 @@ KNOWN = [
      "expert weight's gradient 5% of its largest off at update 0), which no rounding bound "
      "covers; the check needs a bound by the share of tokens routed apart, as pruning's by "
      "masks flipped"),
-    ("fp32 reduction order", lambda r: r["failure"] == "numerics"
-     and r["detail"].startswith("grads ") and "; " not in r["detail"].split(" (")[0]
-     and float(r["detail"].split()[1]) < 2e-5,
-     "the gradients alone, 1.2-1.7e-5 of a leaf's largest against FP32's 1e-5 (measured on "
-     "fewer partial sums): fp32 sums in another order over micro-batches, tp and pipeline "
-     "stages"),
-    ("ZeRO-3 x experts grouping", lambda r: r["failure"] == "census" and "ZeRO-3" in r["options"]
-     and {"MoE", "ep"} & set(r["options"]) and ",ep " in r["detail"],
-     "XLA reduces a gradient over the axes its ZeRO-3 shard spans and then over ep, where the "
-     "formula reduces it over (dp, fsdp, ep) at once (dp2 x fsdp2 x ep2: the rows' totals "
-     "within 4%, their groups apart)"),
     ("XLA:CPU aborts", lambda r: r["failure"] == "crash" and "bf16" in r["options"]
      and "Megatron SP" in r["options"],
      "XLA:CPU's compiler aborts (hlo_instruction.cc: \"Invalid binary instruction opcode "
