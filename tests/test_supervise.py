@@ -110,7 +110,9 @@ def test_a_lost_peer_exits_restartable_other_errors_do_not(tmp_path):
 
 # ----------------------------------------------------------------------------- the launcher
 #: a training process stand-in: records its attempt, steps 3 times under a Monitor, then does
-#: what FAKE_PLAN says for this attempt ("real": the real `jaxscale train` of the command). Its
+#: what FAKE_PLAN says for this attempt ("real": the real `jaxscale train` of the command). A
+#: process that kills itself first waits until every process has recorded this attempt, so that
+#: no peer is killed by the launcher before its record is written, whatever the load. Its
 #: hang limit (300 s) is never reached by the clock: a "hang" waits until every process has
 #: done its 3 steps, then sets its clock an hour back and reports step 3 again, so that the
 #: launcher's next look at the heartbeats finds it, whatever the machine's load
@@ -137,6 +139,7 @@ log = out / f"attempts-{i}.jsonl"
 attempt = len(log.read_text().splitlines()) if log.exists() else 0
 with open(log, "a") as f:
     f.write(json.dumps({"n": n, "argv": argv, "port": os.environ["JAXSCALE_COORDINATOR"]}) + "\n")
+(out / f"started-{attempt}-{i}").touch()
 what = json.loads(os.environ["FAKE_PLAN"])[attempt]
 if what == "refused":
     sys.exit(2)
@@ -151,6 +154,8 @@ ckpt = out / "checkpoints" / "3"
 if what == "ckpt" and i == 0:
     ckpt.mkdir(parents=True)
 if what in ("die", "ckpt") and i == n - 1:
+    while not all((out / f"started-{attempt}-{j}").exists() for j in range(n)):
+        time.sleep(0.01)
     while what == "ckpt" and not ckpt.exists():
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
