@@ -33,8 +33,8 @@ multiple of M, so N:M masks are shard-local and add no collective.
 With offload, the streamed update masks each layer as it passes through the device; with local
 SGD, each replica is masked after its inner update and the anchor after each average (the
 average of masked replicas is not itself sparse).
-Memory: the sort's temporaries in the update phase, about 12 bytes per element of the largest
-gathered block weight (|w|, its ranks, the mask).
+Memory (`memory`): the unmasked copy of the pruned weights a device holds, and under magnitude
+pruning the split matrices gathered whole for their sort (the sort itself runs in place).
 """
 from __future__ import annotations
 
@@ -153,10 +153,28 @@ def collectives(spec) -> list[Comm]:
 
 
 def memory(spec) -> list[Term]:
-    if not active(spec):
+    """The step's unmasked copy of the pruned weights a device updates (its shards, in the
+    master's dtype or the parameters'), which XLA holds beside the masked result; magnitude
+    pruning adds each split matrix gathered whole for its sort (every layer's at once). Both
+    are buffers of the update's `lax.cond` branch, which XLA:CPU does not share with the
+    backward's: they add to the step's peak in either phase (dp8, fsdp8, dp2 x fsdp2 x tp2:
+    the compiled temp grows by exactly these bytes). Offload's streamed update masks each
+    piece as it passes (its piece's term holds it)."""
+    if not active(spec) or spec.offload != "none":
         return []
-    big = max((math.prod(leaf.shape[1:]) for leaf in pruned_leaves(spec.model)), default=0)
-    return [Term("update", 12 * big, "pruning: the sort of the largest block weight")]
+    item = 4 if spec.mixed else spec.wire_param_itemsize
+    own = gathered = 0.0
+    for leaf in pruned_leaves(spec.model):
+        entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
+        split = [math.prod(spec.deg(a) for a in entry_axes(e)) for e in entries[:len(leaf.shape)]]
+        rows = spec.stored_layers * spec.deg("pp")        # uneven stages' padding rows too
+        own += math.prod((rows if n == "layers" else d) / k
+                         for d, n, k in zip(leaf.shape, leaf.axes, split))
+        if parse(spec.prune)[0] == "magnitude" and _own_split(leaf.axes, entries, spec.degrees):
+            gathered += math.prod(d if n not in STACKED else d / k
+                                  for d, n, k in zip(leaf.shape, leaf.axes, split))
+    what = "pruning: the unmasked weights" + (" and the split ones gathered whole" * bool(gathered))
+    return [Term(row, item * (own + gathered), what) for row in ("backward", "update")]
 
 
 def label(spec) -> list[str]:
