@@ -122,11 +122,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from jaxscale.train import supervise
 
+def wait_for(*paths):   # a barrier: how long it takes is never looked at (the pause spares CPU)
+    while not all(p.exists() for p in paths):
+        time.sleep(0.01)
+
 def stuck_in_a_collective(mon=None):
     if mon is not None:
         (out / f"stepped-{i}").touch()
-        while not all((out / f"stepped-{j}").exists() for j in range(n)):
-            time.sleep(0.01)
+        wait_for(*(out / f"stepped-{j}" for j in range(n)))
         time.time = lambda now=time.time: now() - 3600
         mon.stepped(3, 0.02)
     time.sleep(600)
@@ -154,10 +157,7 @@ ckpt = out / "checkpoints" / "3"
 if what == "ckpt" and i == 0:
     ckpt.mkdir(parents=True)
 if what in ("die", "ckpt") and i == n - 1:
-    while not all((out / f"started-{attempt}-{j}").exists() for j in range(n)):
-        time.sleep(0.01)
-    while what == "ckpt" and not ckpt.exists():
-        time.sleep(0.01)
+    wait_for(*(out / f"started-{attempt}-{j}" for j in range(n)), *[ckpt] * (what == "ckpt"))
     os.kill(os.getpid(), signal.SIGKILL)
 if what in ("die", "ckpt", "hang"):
     stuck_in_a_collective(mon if what == "hang" else None)

@@ -137,15 +137,12 @@ def collectives(spec) -> list[Comm]:
     item = 4 if spec.mixed else spec.wire_param_itemsize
     out: dict[tuple, list] = {}
     for leaf in pruned_leaves(spec.model):
-        entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
+        entries, split = _target(spec, leaf)
         axes = _own_split(leaf.axes, entries, spec.degrees)
         if not axes:
             continue
-        size = math.prod(d if n not in STACKED else
-                         d / math.prod(spec.deg(a) for a in entry_axes(e))
-                         for d, n, e in zip(leaf.shape, leaf.axes, entries))
         row = out.setdefault(axes, [0.0, 0])
-        row[0] += item * size * per_step
+        row[0] += item * _gathered(leaf, split) * per_step
         row[1] += 1
     return [Comm("all-gather", axes, b, c, "magnitude pruning: each split block weight gathered "
                  "for its per-matrix sort", group=math.prod(spec.deg(a) for a in axes))
@@ -163,16 +160,14 @@ def memory(spec) -> list[Term]:
     if not active(spec) or spec.offload != "none":
         return []
     item = 4 if spec.mixed else spec.wire_param_itemsize
+    rows = spec.stored_layers * spec.deg("pp")            # uneven stages' padding rows too
     own = gathered = 0.0
     for leaf in pruned_leaves(spec.model):
-        entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
-        split = [math.prod(spec.deg(a) for a in entry_axes(e)) for e in entries[:len(leaf.shape)]]
-        rows = spec.stored_layers * spec.deg("pp")        # uneven stages' padding rows too
+        entries, split = _target(spec, leaf)
         own += math.prod((rows if n == "layers" else d) / k
                          for d, n, k in zip(leaf.shape, leaf.axes, split))
         if parse(spec.prune)[0] == "magnitude" and _own_split(leaf.axes, entries, spec.degrees):
-            gathered += math.prod(d if n not in STACKED else d / k
-                                  for d, n, k in zip(leaf.shape, leaf.axes, split))
+            gathered += _gathered(leaf, split)
     what = "pruning: the unmasked weights" + (" and the split ones gathered whole" * bool(gathered))
     return [Term(row, item * (own + gathered), what) for row in ("backward", "update")]
 
@@ -219,6 +214,20 @@ def mask(w, names, kind, sparsity=None):
         return magnitude_mask(w, names, sparsity)
     _, n, m = kind
     return nm_mask(w, names, n, m)
+
+
+def _target(spec, leaf) -> tuple[tuple, list[int]]:
+    """The partition entries of the copy of `leaf` the update targets (`target_partition`),
+    one per dimension, and how many ways each dimension is split."""
+    entries = tuple(target_partition(spec, leaf)) + (None,) * len(leaf.shape)
+    return entries, [math.prod(spec.deg(a) for a in entry_axes(e))
+                     for e in entries[:len(leaf.shape)]]
+
+
+def _gathered(leaf, split) -> float:
+    """A device's elements of `leaf` with its own (non-stacked) dimensions gathered whole."""
+    return math.prod(d if n not in STACKED else d / k
+                     for d, n, k in zip(leaf.shape, leaf.axes, split))
 
 
 def _own_split(names, entries, sizes) -> tuple[str, ...]:
