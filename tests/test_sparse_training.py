@@ -14,6 +14,7 @@ from jaxscale import plan
 from jaxscale.analysis import inspect
 from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import prune, sparse_embedding
+from jaxscale.strategies.prune import step as prune_step
 from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.train.setup import build
 
@@ -65,7 +66,7 @@ def magnitude_mix():
 def test_magnitude_sparsity_exact_after_each_step_on_parallel_plan(magnitude_mix):
     s, _, states = magnitude_mix
     for step, both in enumerate(states, start=1):
-        target = float(prune.target_sparsity(s.placement.spec, step))
+        target = float(prune_step.target_sparsity(s.placement.spec, step))
         assert target == pytest.approx([0.0, 0.75 * (1 - 0.5 ** 3), 0.75][step - 1])
         for params in both:                                 # bf16 parameters, fp32 master
             layers = pruned(params, s.model.logical)
@@ -93,8 +94,8 @@ def test_sharded_masks_equal_global_masks_and_census_is_the_formula(magnitude_mi
     specs, logical = pick(s.layout.specs.shards), pick(s.model.logical)
     sharded = jax.tree.map(lambda a, sp: jax.device_put(a, NamedSharding(s.placement.mesh, sp)),
                            params, specs, is_leaf=lambda x: isinstance(x, P))
-    local = prune.pruner(spec, logical, s.placement.mesh, specs)
-    glob = prune.pruner(spec, logical)
+    local = prune_step.pruner(spec, logical, s.placement.mesh, specs)
+    glob = prune_step.pruner(spec, logical)
     with jax.set_mesh(s.placement.mesh):
         a = jax.jit(local)(sharded, jnp.int32(2))
     b = jax.jit(glob)(params, jnp.int32(2))
