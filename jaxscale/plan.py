@@ -212,15 +212,30 @@ class Spec:
 
     @property
     def compute_itemsize(self) -> int:
-        """Bytes of an activation element as the backend holds it (XLA:CPU computes 16-bit
-        floats in f32: `Hardware.native_16bit`)."""
-        size = precision.compute_itemsize(self)
-        return size if self.hardware.native_16bit else max(size, 4)
+        """Bytes of an activation element as the backend's buffers hold it (XLA:CPU holds
+        bfloat16 in f32, float16 as it is: `Hardware.held_16bit`)."""
+        return self._held(precision.compute_itemsize(self), precision.activation_dtype(self))
+
+    @property
+    def held_param_itemsize(self) -> int:
+        """Bytes of a parameter or gradient element in a buffer of the step (`param_itemsize`
+        as the backend holds it: `compute_itemsize`)."""
+        return self._held(self.param_itemsize, precision.param_dtype(self))
+
+    @property
+    def wire_compute_itemsize(self) -> int:
+        """Bytes per activation element in a collective (f32 on XLA:CPU: `native_16bit`)."""
+        return self._wire(precision.compute_itemsize(self))
 
     @property
     def wire_param_itemsize(self) -> int:
         """Bytes per parameter or gradient element in a collective (f32 on XLA:CPU)."""
-        size = self.param_itemsize
+        return self._wire(self.param_itemsize)
+
+    def _held(self, size: int, dtype: str) -> int:
+        return size if size != 2 or dtype in self.hardware.held_16bit else 4
+
+    def _wire(self, size: int) -> int:
         return size if self.hardware.native_16bit else max(size, 4)
 
     @property

@@ -60,6 +60,26 @@ def _block_grad_norm(cfg, mask_value, scale=1.0):
                               for g in jax.tree.leaves(grads["layers"]))))
 
 
+def test_cpu_holds_float16_buffers_at_2_bytes_and_bfloat16_at_4():
+    """XLA:CPU widens bf16 arithmetic and buffers to f32 but holds float16 as it is, while the
+    census counts both at 4 bytes in collectives (`Hardware.held_16bit`, `native_16bit`): the
+    same plan's compiled temp in fp16 is well under bf16's, and the planner, sizing each as
+    held, is within its tolerance of both."""
+    from jaxscale import planner
+    from jaxscale.analysis.validation import TOLERANCE, compare
+    temps = {}
+    for p in ("bf16", "fp16"):
+        cfg = tiny_config(*DP8, f"plan.precision={p}")
+        pred = planner.predict(cfg)
+        assert pred.spec.compute_itemsize == pred.spec.held_param_itemsize == {"bf16": 4,
+                                                                              "fp16": 2}[p]
+        assert pred.spec.wire_compute_itemsize == pred.spec.wire_param_itemsize == 4
+        row = next(r for r in compare(pred, inspect.report(cfg))["memory"] if r["what"] == "temp")
+        assert abs(row["ratio"] - 1) <= TOLERANCE["temp"], (p, row)
+        temps[p] = row["compiled"]
+    assert temps["fp16"] < 0.75 * temps["bf16"]
+
+
 def test_fp16_underflows_without_loss_scaling_and_recovers_with_it():
     # Down-weighting every token by 1e-7 keeps the token-mean gradient unchanged in exact
     # arithmetic, but pushes the blocks' fp16 backward intermediates below fp16's 6e-8.

@@ -184,7 +184,7 @@ def format_report(rep: dict) -> str:
 
 def cpu_widened(spec) -> tuple[str, ...]:
     """The dtypes the census counts at 4 bytes on XLA:CPU. Its formulas count every 16-bit value
-    at 4 bytes there (`Spec.compute_itemsize`: XLA:CPU widens bf16 collectives to f32), but
+    at 4 bytes there (`Spec.wire_compute_itemsize`: XLA:CPU widens bf16 collectives to f32), but
     XLA:CPU carries float16 ones as they are, and moves some converts across them (norm scales
     and the embedding gathered in f32, their gradients and the head's softmax in f32): under a
     float16 policy its f16 collectives count at 4 bytes too, so that one formula holds on CPU

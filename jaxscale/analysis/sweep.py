@@ -84,12 +84,6 @@ def _uneven(r: dict) -> bool:
 #: failures whose mechanism is diagnosed but not yet fixed: (name, whether a result row shows
 #: it, the mechanism); the summary names each failure's, or "undiagnosed"
 KNOWN = [
-    ("float16 on XLA:CPU", lambda r: r["failure"] == "memory" and "fp16" in r["options"]
-     and (r["temp"] or 0) > 1,
-     "XLA:CPU widens bf16 arithmetic and buffers to f32 but keeps part of a float16 step's "
-     "buffers in f16: the planner, counting 16-bit activations at 4 bytes on CPU, is 1.2-1.45x "
-     "the compiled temp on float16 plans (and 0.9-1.2x counting them at 2; the census counts "
-     "f16 collectives as bf16's, `inspect.cpu_widened`)"),
     ("routing under rounding", lambda r: r["failure"] == "numerics"
      and {"MoE", "ep"} & set(r["options"]) and {"bf16", "fp16", "QAT fp8"} & set(r["options"]),
      "a mixture's top-k on 16-bit or fp8 values: another reduction order sends tokens near a tie "

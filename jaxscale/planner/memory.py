@@ -44,6 +44,7 @@ from jaxscale import plan as plan_lib
 from jaxscale.strategies import pp, remat, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.offload import tiers
+from jaxscale.strategies.tables.params import leaves
 from jaxscale.strategies.zero import STAGE_OF
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
@@ -107,16 +108,18 @@ def model_terms(spec, full) -> list[Term]:
     sh = zero.shards(spec)
     # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
     # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
-    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.wire_param_itemsize
+    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.held_param_itemsize
     tokens = spec.micro_batch * spec.local_seq
     logits = 2 * tokens * spec.model.padded_vocab / spec.deg("tp") * 4
     # kept whole over dp until the update, each layer's gradients are all-reduced into the stack
-    # inside the backward loop: a layer's and their reduced copy alive at once, half the stack of
-    # the 2-layer cpu8 programs (a mixture of experts peaks in its MoE layer: `ep.memory`)
-    reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) * grads / 2
+    # inside the backward loop: one layer's reduced copy beside the stack (dp8, fp32: the compiled
+    # temp grows by a layer's gradients and this copy per layer, 2-6 layers; a mixture of experts
+    # peaks in its MoE layer: `ep.memory`)
+    layer = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.stacked) \
+        / spec.stored_layers * spec.held_param_itemsize
+    reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) * layer
     return [
-        Term("backward", reduced, "one layer's gradients and their copy all-reduced inside the "
-             "layer loop"),
+        Term("backward", reduced, "one layer's gradients all-reduced inside the layer loop"),
         Term("backward", grads, "local gradient buffer"),
         Term("backward", full.saved, "one layer's activations while its backward runs"),
         Term("backward", logits, "fp32 logits and their gradient"),

@@ -46,12 +46,18 @@ def collectives(spec) -> list:
 
 
 def memory(spec) -> list[Term]:
-    """The fp32 gradient accumulator, live through the backward and into the update."""
+    """The fp32 gradient accumulator, live through the backward beside each micro-batch's
+    gradients. The update reads it divided by the tokens in place of the gradient buffer
+    (`train.grads`): only its excess over that buffer (16-bit gradients held in 2 bytes) is
+    more (dp4 x tp2 with DiLoCo, whose update phase binds: the compiled temp is accumulate=1's)."""
     if not active(spec):
         return []
-    acc = zero.shards(spec).params * 4
+    sh = zero.shards(spec)
+    acc = sh.params * 4
+    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.held_param_itemsize
     return [Term("backward", acc, "fp32 gradient accumulator"),
-            Term("update", acc, "fp32 gradient accumulator")]
+            Term("update", max(0.0, acc - grads), "fp32 gradient accumulator beyond the "
+                 "gradient buffer it stands in for")]
 
 
 def label(spec) -> list[str]:

@@ -174,7 +174,7 @@ def memory(spec) -> list[Term]:
         unreduced = max([experts] + [size for size, _ in per_layer])
         what = ("the layer's expert gradients, scattered together" if experts >= unreduced
                 else "its largest weight's unreduced gradient")
-    return [Term("backward", (layer + unreduced) * spec.wire_param_itemsize,
+    return [Term("backward", (layer + unreduced) * spec.held_param_itemsize,
                  f"one gathered layer and {what}")]
 
 

@@ -108,10 +108,14 @@ def mixed(spec) -> bool:
     return _BASE.get(spec.precision, ("", "", False))[2]
 
 
+def param_dtype(spec) -> str:
+    """The dtype of a stored working parameter (and of a gradient)."""
+    return _BASE[spec.precision][0] if mixed(spec) else spec.model.param_dtype
+
+
 def param_itemsize(spec) -> int:
     """Bytes of a stored working parameter (and of a gradient)."""
-    return dtype_bytes(_BASE[spec.precision][0]) if mixed(spec) else \
-        dtype_bytes(spec.model.param_dtype)
+    return dtype_bytes(param_dtype(spec))
 
 
 def activation_dtype(spec) -> str:

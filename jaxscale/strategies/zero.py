@@ -208,7 +208,7 @@ def memory(spec) -> list[Term]:
     if stage(spec) != 1:
         return []
     sh = shards(spec)
-    local = (sh.grads if spec.deg("fsdp") > 1 else sh.params) * spec.wire_param_itemsize
+    local = (sh.grads if spec.deg("fsdp") > 1 else sh.params) * spec.held_param_itemsize
     return [Term("update", local, "the all-reduced gradients, ZeRO-1")]
 
 

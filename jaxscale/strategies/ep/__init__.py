@@ -95,7 +95,7 @@ def collectives(spec) -> list[Comm]:
     m, k, L = spec.model, max(1, spec.accumulate), moe_layers(spec)
     # under any remat policy a MoE layer replays: its dispatch and its experts' batched
     # matmuls carry no saved tag (`models.moe`)
-    beta, replay = spec.compute_itemsize, remat.active(spec)
+    beta, replay = spec.wire_compute_itemsize, remat.active(spec)
     per_layer = 4 + 2 * replay
     n = per_layer * L * k
     out = []
@@ -186,16 +186,16 @@ def memory(spec) -> list[Term]:
         held = sum(leaf.local_size(spec, drop=axes) for leaf in experts)
         if remat.active(spec):      # replayed: each layer gathers them again (`collectives`)
             return lowering + [Term("backward", held / spec.stored_layers
-                                    * spec.wire_param_itemsize, "one MoE layer's expert weights "
+                                    * spec.held_param_itemsize, "one MoE layer's expert weights "
                                     f"as gathered over {'x'.join(axes)} for its replay")]
-        return lowering + [Term("backward", held * spec.wire_param_itemsize, "every MoE layer's "
+        return lowering + [Term("backward", held * spec.held_param_itemsize, "every MoE layer's "
                                 f"expert weights as gathered over {'x'.join(axes)}, kept for "
                                 "the backward (grouped experts)")]
-    layer = local / spec.model.n_layers * spec.wire_param_itemsize
+    layer = local / spec.model.n_layers * spec.held_param_itemsize
     out = lowering + [Term("backward", layer, "one MoE layer's expert weights, sliced out of "
                            "the stack")]
     if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1:
-        out.append(Term("backward", local * spec.wire_param_itemsize,
+        out.append(Term("backward", local * spec.held_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
                         "ragged_dot's CPU lowering over several local experts"))
     replicated = spec.n_devices * local > sum(leaf.size for leaf in experts)

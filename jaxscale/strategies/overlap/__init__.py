@@ -138,7 +138,7 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
       ring, replayed) carry e4m3 bytes, the row matmuls' backward rings e5m2 bytes; the
       reduce-scattering rings (row forward, the groups' input gradients) partial dots in the
       compute dtype."""
-    c, q = spec.compute_itemsize, spec.qat
+    c, q = spec.wire_compute_itemsize, spec.qat
     replay_o = parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat"
     # a layer's attention rings, and its MLP's: a MoE layer's experts run in their own region
     # (`strategies/ep/grouped.py`), its shared experts (if any) as a dense MLP
@@ -164,7 +164,7 @@ def collectives(spec) -> list[Comm]:
     if not active(spec) or spec.deg("tp") == 1 or not spec.sequence_parallel:
         return []
     t, L, k = spec.deg("tp"), spec.layers_per_device, max(1, spec.accumulate)
-    elements = stream_bytes(spec) / spec.compute_itemsize / t     # one chunk
+    elements = stream_bytes(spec) / spec.wire_compute_itemsize / t     # one chunk
     hops = (t - 1) * L * k
     found = rings(spec)
     n = sum(r * p for _, r, _, p in found) * hops

@@ -128,14 +128,14 @@ def memory(spec) -> list[Term]:
     micro-batches in flight, plus the one just computed (a stage's forward returns it out of the
     engine's switch before it is written to its slot); and the stage-boundary slots (activations
     received, gradients received or to send), one [micro-batch, seq, dim] each. The slots hold
-    the compute dtype as stored: XLA:CPU widens 16-bit arithmetic to f32, not these buffers (bf16
+    the compute dtype as stored: XLA:CPU widens bf16 arithmetic to f32, not these buffers (bf16
     on dp2 x pp2 x tp2: 0.70 MB of ZB-H1's slots and tape, half what f32 would hold)."""
     if spec.deg("pp") == 1:
         return []
     slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
     as_stored = precision.compute_itemsize(spec) / spec.compute_itemsize
-    stream = boundary_bytes(spec) * as_stored
+    stream = boundary_bytes(spec) * precision.compute_itemsize(spec) / spec.wire_compute_itemsize
     out = [Term("activations", la.saved * as_stored * spec.stored_layers * extra,
                 f"residuals of {in_flight(spec):g} micro-batches in flight ({spec.schedule}) "
                 f"and of the one being stored"),

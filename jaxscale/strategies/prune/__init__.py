@@ -160,7 +160,7 @@ def memory(spec) -> list[Term]:
     piece as it passes (its piece's term holds it)."""
     if not active(spec) or spec.offload != "none":
         return []
-    item = 4 if spec.mixed else spec.wire_param_itemsize
+    item = 4 if spec.mixed else spec.held_param_itemsize
     rows = spec.stored_layers * spec.deg("pp")            # uneven stages' padding rows too
     own = gathered = 0.0
     for leaf in pruned_leaves(spec.model):

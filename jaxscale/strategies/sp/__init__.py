@@ -117,7 +117,7 @@ def collectives(spec) -> list[Comm]:
     m, k, t = spec.model, max(1, spec.accumulate), spec.deg("tp")
     L = spec.layers_per_device
     tokens = spec.micro_batch * spec.local_seq
-    beta = spec.compute_itemsize
+    beta = spec.wire_compute_itemsize
     kv = 2 * tokens * m.n_kv_heads * m.hd / t * beta          # the local K and V blocks
     # a remat policy that recomputes the attention replays its forward collectives
     replay = 1 if actions(spec.remat)["attn_out"] == "remat" else 0

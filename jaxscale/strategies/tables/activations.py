@@ -193,8 +193,9 @@ def split(spec) -> Split:
 
 def stream_bytes(spec) -> float:
     """One [micro-batch, local sequence, dim] activation of the residual stream in the compute
-    dtype (Megatron's bsh): what a TP all-reduce or a pipeline stage boundary moves."""
-    return spec.micro_batch * spec.local_seq * spec.model.dim * spec.compute_itemsize
+    dtype as a collective carries it (Megatron's bsh): what a TP all-reduce or a pipeline stage
+    boundary moves."""
+    return spec.micro_batch * spec.local_seq * spec.model.dim * spec.wire_compute_itemsize
 
 
 # ----------------------------------------------------------------------------- mixtures of experts

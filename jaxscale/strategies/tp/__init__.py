@@ -186,7 +186,7 @@ def _grouped_rows(spec) -> list[Comm]:
     t, k, Lm, m = spec.deg("tp"), max(1, spec.accumulate), moe_layers(spec), spec.model
     replay = remat_active(spec)          # a MoE layer replays under any policy (`strategies.ep`)
     x = exchange(spec)
-    rows = x.rows * m.dim * spec.compute_itemsize
+    rows = x.rows * m.dim * spec.wire_compute_itemsize
     n, runs = (2 + replay) * Lm * k, (1 + replay) * Lm * k
     seq = tokens_split(spec)
     return [Comm("all-gather", ("tp",), rows * n + x.sources * x.local_experts * 4 * runs,
@@ -215,7 +215,7 @@ def _expert_extra(spec) -> tuple[float, int]:
     if grouped_experts(spec):   # the dense MLP's at [b, t, D], with the top-k weights' gradient
         if spec.sequence_parallel:    # (k fp32 per token) reduced beside the input's
             return 0.0, 0
-        return m.moe_top_k * 4 / (m.dim * spec.compute_itemsize) * Lm * k + shared, shared
+        return m.moe_top_k * 4 / (m.dim * spec.wire_compute_itemsize) * Lm * k + shared, shared
     r = expert_rows(spec)
     redo = 1 if actions(spec.remat)["mlp_down"] == "remat" else 0
     return ((r - 1) + (2 * r - 1) + redo * r) * Lm * k + shared, (1 + redo) * Lm * k + shared
