@@ -196,3 +196,8 @@ def test_float16_on_cpu_is_counted_as_bf16_is():
     raw = {(r["kind"], tuple(r["axes"])): r["bytes"] for r in inspect.census(
         text, setup.placement.mesh, plan.branch_share(setup.placement.spec))}
     assert raw[("all-reduce", ("dp",))] < 0.7 * rows["fp16"][("all-reduce", ("dp",))]
+    # fp8 QAT's e4m3 operands, widened to f16 by XLA:CPU, count as the formulas' widened f16
+    rep = inspect.report(tiny_config(*PLANS["dp2xfsdp2xtp2"], "plan.precision=fp16",
+                                     "plan.qat=fp8"))
+    for r in rep["theory"]:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=0.02), ("fp8", r)
