@@ -172,6 +172,20 @@ def test_quantised_parts_compose(overrides, one_device):
     _census_is_formula(got.setup)
 
 
+def test_in_a_data_region_the_quantised_parts_run_over_the_axes_left():
+    """ZeRO-3 over dp x fsdp with int8 compression: the data region, manual over dp, gathers the
+    parameters over dp at its entry and reduces dp with its own mean, so qwZ's gathers and qgZ's
+    all-to-alls run over fsdp alone, and the sequence shards sum gradients scattered over fsdp
+    only (generated seed 1103: the formula had them over (dp, fsdp), sp's all-reduce 0.55 of
+    the compiled)."""
+    from jaxscale.train.setup import build
+    rows = _census_is_formula(build(tiny_config(
+        "mesh.dp=2", "mesh.fsdp=2", "mesh.sp=2", "mesh.tp=1", "plan.context=ulysses",
+        "plan.zero=3", "plan.compression=int8", "plan.zeropp=qwz+qgz", "plan.qgz_bits=8")))
+    assert rows[("all-gather", ("fsdp",))] > 0 and ("all-gather", ("dp", "fsdp")) not in rows
+    assert rows[("all-to-all", ("fsdp",))] > 0 and rows[("all-reduce", ("sp",))] > 0
+
+
 def test_qwz_halves_the_gathers_of_16_bit_weights():
     """bf16 weights, dim 256 (4 heads of 64, ffn 384): qwZ's forward gathers are int8 payloads
     plus a 4-byte scale per block, as many equal blocks of at most 256 as the shard's last

@@ -130,7 +130,7 @@ def collectives(spec) -> list[Comm]:
     L = spec.layers_per_device
     from jaxscale.strategies import zero as zero_lib
     from jaxscale.strategies.zero import gather_axes, stored_spec
-    from jaxscale.strategies.zeropp import reduced
+    from jaxscale.strategies.zeropp import reduced, region_axes
     quantised = reduced(spec)
     acc: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     what: dict[tuple, list] = defaultdict(list)
@@ -173,10 +173,10 @@ def collectives(spec) -> list[Comm]:
                 add("all-reduce", ["sp"], gathered, reps, "the same over the sequence shards")
             continue
         rest, size = list(inner), gathered
-        if leaf.path in quantised:      # qgZ scatters over the gather axes (zeropp/), then
+        if leaf.path in quantised:      # qgZ scatters over its gather axes (zeropp/), then
             rest = [a for a in rest if a not in gather_axes(spec)] + ["sp"] * seq  # sums
             if rest:
-                add("all-reduce", rest, size / _group(spec, gather_axes(spec)), reps, "matmul "
+                add("all-reduce", rest, size / _group(spec, region_axes(spec)), reps, "matmul "
                     "weight gradients over the other replicas, after qgZ's reduce-scatter")
             continue
         if "experts" in leaf.axes and grouped(spec):

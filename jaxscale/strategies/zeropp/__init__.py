@@ -151,6 +151,17 @@ def reduced(spec) -> set[str]:
     return {leaf.path for leaf in sites(spec)}
 
 
+def region_axes(spec) -> tuple[str, ...]:
+    """The gather axes the seam's gathers and qgZ's all-to-alls run over: those of the weights
+    as stored, but a data region's (`dp.sync_axes`: compression, the sparse embedding, a
+    once-per-step mean), whose entry gathers the parameters over it first (`fsdp.collectives`)
+    and whose gradients its own mean reduces (dp2 x fsdp2 x sp2, ZeRO-3 + int8 compression:
+    the gathers over fsdp alone)."""
+    from jaxscale.strategies import dp
+    once = set(dp.sync_axes(spec))
+    return tuple(a for a in gather_axes(spec) if a not in once)
+
+
 def _gathered_dim(spec, leaf) -> int:
     return next(i for i, a in enumerate(leaf.axes) if a == "embed")
 
@@ -169,7 +180,7 @@ def _wire(spec, leaf, fmt: str, block: int, even=False) -> tuple[float, float, i
         return spec.wire_param_itemsize, 0.0, 1
     d, shape = _gathered_dim(spec, leaf), leaf.local_shape(spec)
     # the shard's last dimension, whole over the gather axes unless it is the gathered one
-    last = int(leaf.shape[-1] // math.prod(spec.deg(a) for a in gather_axes(spec))
+    last = int(leaf.shape[-1] // math.prod(spec.deg(a) for a in region_axes(spec))
                if d == len(shape) - 1 else shape[-1])
     padded = padded_row(last, block, even)
     per = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}[fmt]
@@ -179,7 +190,8 @@ def _wire(spec, leaf, fmt: str, block: int, even=False) -> tuple[float, float, i
 def collectives(spec) -> list[Comm]:
     if not active(spec) or problems(spec):
         return []
-    axes, nodes = gather_axes(spec), cross_axes(spec)
+    axes = region_axes(spec)
+    nodes = tuple(a for a in cross_axes(spec) if a in axes)
     cross = nodes if "hpz" in parse(spec.zeropp) else ()
     local = tuple(a for a in axes if a not in cross)
     n_l = math.prod(spec.deg(a) for a in local)
@@ -230,7 +242,7 @@ def memory(spec) -> list[Term]:
     held from the forward to the backward."""
     if not active(spec) or problems(spec) or "hpz" not in parse(spec.zeropp):
         return []
-    n_l = math.prod(spec.deg(a) for a in gather_axes(spec) if a not in cross_axes(spec))
+    n_l = math.prod(spec.deg(a) for a in region_axes(spec) if a not in cross_axes(spec))
     held = 0.0
     for leaf in sites(spec):
         if leaf.stacked:        # its rows as the gathers send them (padded blocks, scales)
