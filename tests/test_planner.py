@@ -60,6 +60,23 @@ def test_reduce_scatter_is_mapped_to_the_all_reduce_xla_cpu_emits():
     assert ("reduce-scatter", ("fsdp",)) in gpu
 
 
+def test_scalar_all_reduces_compare_as_scalars_whether_tupled_or_alone():
+    """The step's scalar partial sums (loss, counts, norms; fp8's amaxes, 18 per layer per
+    micro-batch) travel in tuples (0 bytes in the census) or alone as XLA's combiner chooses:
+    an all-reduce row of at most those bytes on both sides compares as scalars; one byte more
+    is a ratio again, and a missing row of real bytes still fails."""
+    pred = planner.predict(tiny_config("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "plan.qat=fp8"))
+    most = validation.scalar_bytes(pred.spec)
+    assert most == 4 * (16 + 18 * pred.spec.model.n_layers)
+
+    def row(nbytes, axes=("pp",)):
+        census = [{"kind": "all-reduce", "axes": list(axes), "bytes": nbytes}]
+        return next(r for r in validation.comm_rows(pred, census) if tuple(r["axes"]) == axes)
+    assert row(most)["ratio"] == 1.0
+    assert row(most + 1)["ratio"] == 0.0
+    assert row(0, ("dp",))["ratio"] is None          # dp's gradient all-reduce, not in the census
+
+
 def test_parameter_table_matches_the_model():
     from jaxscale.train.state import FunctionalModel
     for model in (dataclasses.replace(models.get("tiny"), n_layers=2),
