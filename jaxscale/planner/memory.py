@@ -105,10 +105,7 @@ class Memory:
 def model_terms(spec, full) -> list[Term]:
     """The terms every plan has, whatever its strategies: the gradient buffer, one layer's
     working activations, the fp32 logits and their gradient."""
-    sh = zero.shards(spec)
-    # the stacked gradient buffer: reduced layer by layer inside the layer loop (so kept at its
-    # reduced shard) when the weights are gathered (FSDP, ZeRO-3), else full until the end
-    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.held_param_itemsize
+    grads = zero.grad_buffer(spec)
     tokens = spec.micro_batch * spec.local_seq
     logits = 2 * tokens * spec.model.padded_vocab / spec.deg("tp") * 4
     # kept whole over dp until the update, each layer's gradients are all-reduced into the stack

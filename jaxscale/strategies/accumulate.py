@@ -52,12 +52,10 @@ def memory(spec) -> list[Term]:
     more (dp4 x tp2 with DiLoCo, whose update phase binds: the compiled temp is accumulate=1's)."""
     if not active(spec):
         return []
-    sh = zero.shards(spec)
-    acc = sh.params * 4
-    grads = (sh.grads if zero.gather_axes(spec) else sh.params) * spec.held_param_itemsize
+    acc = zero.shards(spec).params * 4
     return [Term("backward", acc, "fp32 gradient accumulator"),
-            Term("update", max(0.0, acc - grads), "fp32 gradient accumulator beyond the "
-                 "gradient buffer it stands in for")]
+            Term("update", max(0.0, acc - zero.grad_buffer(spec)), "fp32 gradient accumulator "
+                 "beyond the gradient buffer it stands in for")]
 
 
 def label(spec) -> list[str]:

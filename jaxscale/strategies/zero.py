@@ -76,6 +76,14 @@ def stage(spec) -> int:
     return spec.zero if spec.deg(AXIS) > 1 else 0
 
 
+def grad_buffer(spec) -> float:
+    """Bytes of the stacked local gradient buffer as the step holds it: reduced layer by layer
+    inside the layer loop (so kept at its reduced shard) when the weights are gathered (FSDP,
+    ZeRO-3), else full until the end."""
+    sh = shards(spec)
+    return (sh.grads if gather_axes(spec) else sh.params) * spec.held_param_itemsize
+
+
 def grads_whole(spec) -> bool:
     """Whether the gradient stack is kept whole over the data axes until the update (no gather
     for compute, so no layer-by-layer reduce-scatter; no ZeRO-2 scatter): XLA then all-reduces
