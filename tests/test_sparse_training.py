@@ -14,7 +14,7 @@ from jaxscale import plan
 from jaxscale.analysis import inspect
 from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import prune, sparse_embedding
-from jaxscale.strategies.prune import step as prune_step
+from jaxscale.strategies.prune import masking as prune_step
 from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.train.setup import build
 

@@ -18,11 +18,9 @@ TOLERANCE = {"argument+output": 0.05, "temp": 0.15, "collective": 0.02, "flops":
 
 
 def scalar_bytes(spec) -> float:
-    """The most bytes the step's scalar partial sums add up to: the loss, the token count,
-    norms and flags (16 fp32), and under fp8 QAT each layer's 18 amaxes per micro-batch
-    (`qat.N_SLOTS`). XLA carries them in tuples (which the census counts as 0 bytes) or alone,
-    as its combiner chooses, so an all-reduce row of no more on either side is compared as
-    scalars only, not by its ratio."""
+    """The most bytes of the step's scalar partial sums: loss, token count, norms, flags (16
+    fp32), fp8's 18 amaxes per layer per micro-batch (`qat.N_SLOTS`). XLA carries them in
+    tuples (0 bytes in the census) or alone: an all-reduce row of no more is compared as such."""
     from jaxscale.strategies.qat import N_SLOTS
     fp8 = N_SLOTS * spec.model.n_layers * max(1, spec.accumulate) if spec.qat == "fp8" else 0
     return 4.0 * (16 + fp8)

@@ -224,6 +224,29 @@ def own_mean(spec) -> bool:
     return spec.compression != "none" or bool(spec.sparse_embedding)
 
 
+def split_axes(spec) -> tuple[str, ...]:
+    """The data axes that split the parameters (fsdp; dp under ZeRO-3)."""
+    out = [a for a in ("dp", "fsdp") if spec.deg(a) > 1 and (a == "fsdp" or spec.zero >= 3)]
+    return tuple(out)
+
+
+def sync_axes(spec) -> tuple[str, ...]:
+    """The data axes the step's gradients are reduced over once per step, in the data region
+    (`strategies.dp.region`); () when XLA reduces every micro-batch (or there is one
+    micro-batch). Read by dp's formulas and by the strategies whose collectives run inside."""
+    from jaxscale.axes import MESH_AXES
+    if spec.local_sgd != "none":
+        return ()           # its own step: the replicas average every H steps
+    data = [a for a in ("dp", "fsdp") if spec.deg(a) > 1]
+    mode = spec.grad_sync
+    axes: set[str] = set()
+    if max(1, spec.accumulate) > 1 and mode != "microbatch":
+        axes = set(data) if mode == "step" else set(data) - set(split_axes(spec))
+    if own_mean(spec) and spec.deg("dp") > 1:
+        axes.add("dp")
+    return tuple(a for a in MESH_AXES if a in axes)
+
+
 #: the batch key of the spike guard's loss limit: a replicated fp32 scalar the loop adds to each
 #: training batch under `train.spike_policy=skip` (`jaxscale.train.spikes`)
 LOSS_LIMIT = "loss_limit"

@@ -44,7 +44,7 @@ from collections import defaultdict
 
 from jaxscale.axes import DATA_AXES, MESH_AXES, entry_axes
 from jaxscale.strategies.accumulate import region_loops
-from jaxscale.strategies.common import Comm, Term, own_mean
+from jaxscale.strategies.common import Comm, Term, own_mean, split_axes, sync_axes  # noqa: F401
 from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import outer_runs
 
@@ -62,27 +62,6 @@ def mean_runs(spec) -> int:
     """How many times per step a strategy's own mean over dp runs: once, or with
     `plan.grad_sync=microbatch` once per micro-batch (`accumulate.region_loops`)."""
     return max(1, spec.accumulate) if region_loops(spec) else 1
-
-
-def split_axes(spec) -> tuple[str, ...]:
-    """The data axes that split the parameters (fsdp; dp under ZeRO-3)."""
-    out = [a for a in ("dp", "fsdp") if spec.deg(a) > 1 and (a == "fsdp" or spec.zero >= 3)]
-    return tuple(out)
-
-
-def sync_axes(spec) -> tuple[str, ...]:
-    """The data axes the step's gradients are reduced over once per step, in the data region
-    (`region.make`); () when XLA reduces every micro-batch (or there is one micro-batch)."""
-    if spec.local_sgd != "none":
-        return ()           # its own step: the replicas average every H steps
-    data = [a for a in ("dp", "fsdp") if spec.deg(a) > 1]
-    mode = spec.grad_sync
-    axes: set[str] = set()
-    if max(1, spec.accumulate) > 1 and mode != "microbatch":
-        axes = set(data) if mode == "step" else set(data) - set(split_axes(spec))
-    if own_mean(spec) and spec.deg("dp") > 1:
-        axes.add("dp")
-    return tuple(a for a in MESH_AXES if a in axes)
 
 
 def problems(spec) -> list[str]:

@@ -33,35 +33,22 @@ multiple of M, so N:M masks are shard-local and add no collective.
 With offload, the streamed update masks each layer as it passes through the device; with local
 SGD, each replica is masked after its inner update and the anchor after each average (the
 average of masked replicas is not itself sparse).
-The step side (target sparsity, masks, the sharded hook) is `prune/step.py`.
+The step side (target sparsity, masks, the sharded hook) is `prune/masking.py`.
 Memory (`memory`): the unmasked copy of the pruned weights a device holds, and under magnitude
 pruning the split matrices gathered whole for their sort (the sort itself runs in place).
 """
 from __future__ import annotations
 
 import math
-import re
 
-from jaxscale.axes import MESH_AXES, entry_axes
+from jaxscale.axes import entry_axes
 from jaxscale.strategies import zero
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.tables.params import STACKED, contracted_axes, is_lookup, leaves
+from jaxscale.strategies.prune.masking import _own_split, is_pruned, parse  # noqa: F401
+from jaxscale.strategies.tables.params import STACKED, contracted_axes, leaves
 
 NAME = "prune"
 AVAILABLE = True
-
-
-def parse(value: str):
-    """`none` -> None, `magnitude` -> ("magnitude",), `N:M` -> ("nm", N, M); else ValueError."""
-    if value == "none":
-        return None
-    if value == "magnitude":
-        return ("magnitude",)
-    m = re.fullmatch(r"(\d+):(\d+)", value)
-    if m and 0 < int(m.group(1)) < int(m.group(2)):
-        return ("nm", int(m.group(1)), int(m.group(2)))
-    raise ValueError(f"plan.prune={value!r}: valid are none, magnitude or N:M with 0 < N < M "
-                     f"(e.g. 2:4)")
 
 
 def active(spec) -> bool:
@@ -185,18 +172,11 @@ def shape_step(spec, parts) -> None:
     """The step: the updated weights masked for the updates done (`pruner`), on the shards of
     what the update targets (the fp32 master where there is one)."""
     if active(spec):
-        from jaxscale.strategies.prune.step import pruner
+        from jaxscale.strategies.prune.masking import pruner
         parts.set("after_update", lambda ctx: pruner(
             spec, ctx.model.logical, ctx.placement.mesh,
             ctx.lay.specs.shards if zero.stage(spec) or ctx.lay.master
             else ctx.lay.specs.params), by=NAME)
-
-
-def is_pruned(path, names) -> bool:
-    """A parameter (its key path, its logical names) that pruning masks."""
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    return (keys[:1] == ["layers"] and "router" not in keys
-            and contracted_axes(tuple(names)) is not None and not is_lookup(tuple(names)))
 
 
 def _target(spec, leaf) -> tuple[tuple, list[int]]:
@@ -211,9 +191,3 @@ def _gathered(leaf, split) -> float:
     """A device's elements of `leaf` with its own (non-stacked) dimensions gathered whole."""
     return math.prod(d if n not in STACKED else d / k
                      for d, n, k in zip(leaf.shape, leaf.axes, split))
-
-
-def _own_split(names, entries, sizes) -> tuple[str, ...]:
-    """Mesh axes (size > 1, mesh order) splitting a weight's own, non-stacked dimensions."""
-    used = {a for n, e in zip(names, entries) if n not in STACKED for a in entry_axes(e)}
-    return tuple(a for a in MESH_AXES if a in used and sizes.get(a, 1) > 1)

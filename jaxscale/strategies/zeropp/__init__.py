@@ -153,12 +153,12 @@ def reduced(spec) -> set[str]:
 
 def region_axes(spec) -> tuple[str, ...]:
     """The gather axes the seam's gathers and qgZ's all-to-alls run over: those of the weights
-    as stored, but a data region's (`dp.sync_axes`: compression, the sparse embedding, a
+    as stored, but a data region's (`common.sync_axes`: compression, the sparse embedding, a
     once-per-step mean), whose entry gathers the parameters over it first (`fsdp.collectives`)
     and whose gradients its own mean reduces (dp2 x fsdp2 x sp2, ZeRO-3 + int8 compression:
     the gathers over fsdp alone)."""
-    from jaxscale.strategies import dp
-    once = set(dp.sync_axes(spec))
+    from jaxscale.strategies.common import sync_axes
+    once = set(sync_axes(spec))
     return tuple(a for a in gather_axes(spec) if a not in once)
 
 

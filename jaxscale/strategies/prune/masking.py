@@ -1,13 +1,40 @@
-"""The step's masking for `plan.prune` (`prune/__init__.py` holds the plan side): the target
-sparsity after t updates, one weight's keep-mask, and `pruner`, the hook after the optimizer
-update that masks every pruned weight on its own shards (one all-gather of a split matrix for a
-magnitude sort, none for N:M)."""
+"""The step's masking for `plan.prune` (`prune/__init__.py` holds the plan side): what
+`plan.prune` names and which leaves it masks, the target sparsity after t updates, one weight's
+keep-mask, and `pruner`, the hook after the optimizer update that masks every pruned weight on
+its own shards (one all-gather of a split matrix for a magnitude sort, none for N:M)."""
 from __future__ import annotations
 
 import math
+import re
 
-from jaxscale.axes import entry_axes
-from jaxscale.strategies.prune import _own_split, is_pruned, parse
+from jaxscale.axes import MESH_AXES, entry_axes
+from jaxscale.strategies.tables.params import STACKED, contracted_axes, is_lookup
+
+
+def parse(value: str):
+    """`none` -> None, `magnitude` -> ("magnitude",), `N:M` -> ("nm", N, M); else ValueError."""
+    if value == "none":
+        return None
+    if value == "magnitude":
+        return ("magnitude",)
+    m = re.fullmatch(r"(\d+):(\d+)", value)
+    if m and 0 < int(m.group(1)) < int(m.group(2)):
+        return ("nm", int(m.group(1)), int(m.group(2)))
+    raise ValueError(f"plan.prune={value!r}: valid are none, magnitude or N:M with 0 < N < M "
+                     f"(e.g. 2:4)")
+
+
+def is_pruned(path, names) -> bool:
+    """A parameter (its key path, its logical names) that pruning masks."""
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    return (keys[:1] == ["layers"] and "router" not in keys
+            and contracted_axes(tuple(names)) is not None and not is_lookup(tuple(names)))
+
+
+def _own_split(names, entries, sizes) -> tuple[str, ...]:
+    """Mesh axes (size > 1, mesh order) splitting a weight's own, non-stacked dimensions."""
+    used = {a for n, e in zip(names, entries) if n not in STACKED for a in entry_axes(e)}
+    return tuple(a for a in MESH_AXES if a in used and sizes.get(a, 1) > 1)
 
 
 def target_sparsity(spec, step):
