@@ -94,7 +94,7 @@ BREAKS: list[Break] = [
            OFFLOAD_TIERS + "test_delayed_update_reads_parameters_one_step_stale")),
     Break("grad-sync-per-micro-batch", "gradient sync once per step (plan.grad_sync=auto)",
           "the replicated axes reduced every micro-batch",
-          "jaxscale/strategies/dp/__init__.py",
+          "jaxscale/strategies/common.py",
           'if max(1, spec.accumulate) > 1 and mode != "microbatch":',
           'if max(1, spec.accumulate) > 1 and mode == "step":',
           (T + "test_grad_sync.py::test_the_replicated_reduction_runs_once_after_the_micro_batch"
