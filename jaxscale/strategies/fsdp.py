@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from jaxscale.axes import MESH_AXES, entry_axes
-from jaxscale.strategies import dp, qat, remat, zero, zeropp
+from jaxscale.strategies import common, qat, remat, zero, zeropp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import leaves, outer_runs
@@ -70,7 +70,7 @@ def collectives(spec) -> list[Comm]:
                      * pb, len(ls), "parameters, once per step (plan.grad_sync=step)", group=n,
                      overlap=True)]
     out = []
-    once = tuple(a for a in axes if a in dp.sync_axes(spec))
+    once = tuple(a for a in axes if a in common.sync_axes(spec))
     if once:            # the data region, manual over `once`, gathers them at its entry
         split = [leaf for leaf in leaves(spec.model) if any(
             a in once for e in zero.stored_spec(spec, leaf) for a in entry_axes(e))]
@@ -146,7 +146,7 @@ def collectives(spec) -> list[Comm]:
 
 def step_gathered(spec) -> bool:
     """Whether the step gathers the parameters once and holds them (`plan.grad_sync=step`)."""
-    return bool(gather_axes(spec)) and set(gather_axes(spec)) <= set(dp.sync_axes(spec))
+    return bool(gather_axes(spec)) and set(gather_axes(spec)) <= set(common.sync_axes(spec))
 
 
 def memory(spec) -> list[Term]:

@@ -44,7 +44,7 @@ from collections import defaultdict
 
 from jaxscale.axes import DATA_AXES, MESH_AXES, entry_axes
 from jaxscale.strategies.accumulate import region_loops
-from jaxscale.strategies.common import Comm, Term, own_mean, split_axes, sync_axes  # noqa: F401
+from jaxscale.strategies.common import Comm, Term, own_mean, split_axes, sync_axes
 from jaxscale.strategies.tables.activations import grouped
 from jaxscale.strategies.tables.params import outer_runs
 

@@ -40,7 +40,7 @@ import math
 
 from jaxscale.axes import DATA_AXES, MESH_AXES
 from jaxscale.hooks import register
-from jaxscale.strategies import dp, remat
+from jaxscale.strategies import common, remat
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.ep import grouped as grouped_lib
 from jaxscale.strategies.ep import slots
@@ -146,18 +146,18 @@ def collectives(spec) -> list[Comm]:
 
 def _stat_axes(spec) -> tuple[str, ...]:
     """The data axes a MoE layer averages its balance statistics over (`models.moe.balance_loss`
-    via `axes.data_mean`): those the step runs manual over, the data region's (`dp.sync_axes`)
+    via `axes.data_mean`): those the step runs manual over, the data region's (`common.sync_axes`)
     and dp under local SGD (its replicas' step)."""
-    manual = set(dp.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    manual = set(common.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
     return tuple(a for a in MESH_AXES if a in manual and a in DATA_AXES and spec.deg(a) > 1)
 
 
 def _token_axes(spec) -> tuple[str, ...]:
     """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's),
-    less those of the data region the step runs in (`dp.sync_axes`), and dp under local SGD (a
+    less those of the data region the step runs in (`common.sync_axes`), and dp under local SGD (a
     replica's step, manual over dp): they sum the statistics once, with the loss."""
     axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
-    once = set(dp.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    once = set(common.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
     return tuple(a for a in MESH_AXES if a in axes and a not in once)
 
 

@@ -21,7 +21,7 @@ gradients.
 """
 from __future__ import annotations
 
-from jaxscale.strategies import dp, precision, remat, zero
+from jaxscale.strategies import common, precision, remat, zero
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.pp import schedules as ps
 from jaxscale.strategies.pp import stages
@@ -105,7 +105,7 @@ def collectives(spec) -> list[Comm]:
     prog = program_for(spec)
     act = boundary_bytes(spec)
     # inside the data region the axes it reduces once per step hold the outer leaves whole
-    whole = dp.sync_axes(spec)
+    whole = common.sync_axes(spec)
     outer = sum(zero.stored_size(spec, leaf, drop=whole) * 4 for leaf in leaves(spec.model)
                 if not leaf.stacked)
     rings = " and ".join(k for k, r in prog.rings.items() if r)

@@ -190,9 +190,9 @@ def shape_step(spec, parts) -> None:
 def gradient_unit(spec) -> int:
     """How much larger the output gradients the fp8 matmuls see are than one device's: the
     grads function differentiates the token sum over its rows' slots, so inside a data region
-    (`dp.sync_axes`; local SGD's replicas over dp) by the region's data degree."""
-    from jaxscale.strategies import dp
-    axes = ("dp",) if spec.local_sgd != "none" else dp.sync_axes(spec)
+    (`common.sync_axes`; local SGD's replicas over dp) by the region's data degree."""
+    from jaxscale.strategies import common
+    axes = ("dp",) if spec.local_sgd != "none" else common.sync_axes(spec)
     return math.prod(spec.deg(a) for a in axes)
 
 
