@@ -133,7 +133,7 @@ def gathers_by_dtype(text) -> dict:
     for ins in mod.instrs:
         if ins.opcode.startswith("all-gather"):
             dtype, dims = hlo.shapes(ins.type_str)[0]
-            out[dtype] = out.get(dtype, 0) + int(np.prod(dims)) * {"s8": 1, "f32": 4}[dtype] \
+            out[dtype] = out.get(dtype, 0) + int(np.prod(dims)) * {"s8": 1, "f16": 2, "f32": 4}[dtype] \
                 * mod.runs.get(ins.computation, 0)
     return out
 
@@ -166,9 +166,25 @@ def test_int8_gathers_are_the_formula_row_by_row(name):
         assert s8 > 0
 
 
+def test_fp8_gathers_e4m3_in_the_forward_and_the_backward():
+    """fp8 under GSPMD casts each shard to e4m3 before fsdp's gathers (`on_shards`), and the
+    backward keeps that copy: every census row equals the formula, and the e4m3 gathers (f16
+    on XLA:CPU) are, by hand on dp2 x fsdp2 x tp2, each layer's seven tp shards (wq 128 x 4
+    heads x 16, wk and wv 2 heads each, wo as wq, gate, up and down 128 x 192) twice at 2
+    bytes. Before, XLA chose per weight where to cast: 0.6 of the formula."""
+    cfg = tiny_config("plan.qat=fp8", "plan.check_memory=false")
+    setup = build(cfg)
+    text = setup.lower_train_step().compile().as_text()
+    _, rows = census_rows(cfg, text, setup.placement.mesh)
+    for r in rows:
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3, abs=8), r
+    layer = 128 * 16 * (4 + 2 + 2 + 4) + 3 * 128 * 192
+    assert gathers_by_dtype(text)["f16"] == cfg.model.n_layers * 2 * 2 * layer
+
+
 def test_weight_gathers_follow_the_plan():
     """The formula's choices: 8-bit forward gathers for int8 under GSPMD and under collective
-    matmul, none for fp8 under GSPMD (XLA's own), none for the experts (the grouped seam)."""
+    matmul, e4m3 both ways for fp8, none for the experts (the grouped seam)."""
     def gathers(*ov):
         spec = Spec.from_config(tiny_config(*ov), 8)
         from jaxscale.strategies.tables.params import leaves
@@ -179,7 +195,8 @@ def test_weight_gathers_follow_the_plan():
     L, d, hd = 2, 128, 16
     assert wq == (L * d * 4 * hd, 4 * L * d * 4 * hd, 1, 1, 4 * L * d * 4 * hd)   # tp2: 4 heads
     assert wo == (L * d * 4 * hd + 4 * L * d, 4 * L * d * 4 * hd, 2, 1, 4 * L * d * 4 * hd)
-    assert all(g is None for g in gathers("plan.qat=fp8").values())
+    fp8 = gathers("plan.qat=fp8")           # e4m3 both ways, carried in f16 by XLA:CPU
+    assert fp8["layers/attn/wq"] == (2 * L * d * 4 * hd,) * 2 + (1, 1, 2 * L * d * 4 * hd)
     moe = gathers("plan.qat=int8", "model.moe_experts=4", "mesh.ep=2", "mesh.dp=1")
     assert moe["layers/mlp/w_gate"] is None and moe["layers/attn/wq"] is not None
     fp32 = Spec.from_config(tiny_config(), 8)

@@ -231,7 +231,11 @@ def _fp8(eq, x, w, site, names, mesh, rules, **kw):
         x_q = numerics.quantize_input(x, None if scales is None else scales[0])
         if cache is not None:
             cache[group] = (x, x_q)
-    return numerics.fp8_matmul(eq, x, w, scales, record_x=site in numerics.RECORDS_INPUT, x_q=x_q)
+    w_q = numerics.quantize_weight(w, None if scales is None else scales[1])
+    if not arrives_gathered(site, rules):
+        w_q = on_shards(eq, w_q, site, names[1], rules)
+    return numerics.fp8_matmul(eq, x, w, scales, record_x=site in numerics.RECORDS_INPUT,
+                               x_q=x_q, w_q=w_q)
 
 
 @register("grouped", IMPLEMENTATION["int8"])

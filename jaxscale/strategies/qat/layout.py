@@ -64,9 +64,9 @@ class Gathers(NamedTuple):
 
 def weight_gathers(spec, leaf) -> Gathers | None:
     """fsdp's all-gathers of a quantised block weight, or None where they are the compute
-    dtype's (`fsdp.collectives`): any other leaf or plan, fp8 under GSPMD, the experts' weights
-    (the grouped seam), and int8's column weights gathered before tensor parallelism's region
-    under a remat policy (`arrives_gathered`).
+    dtype's (`fsdp.collectives`): any other leaf or plan, the experts' weights (the grouped
+    seam), and the column weights gathered before tensor parallelism's region under a remat
+    policy (`arrives_gathered`).
 
     - collective matmul on QAT's operands (`overlap.quantised`): the ring's region gathers the
       weight quantised: forward 1 byte per element (int8 with its per-channel fp32 scales where
@@ -80,7 +80,10 @@ def weight_gathers(spec, leaf) -> Gathers | None:
       the int8 values and scales where the policy recomputes the matmul, the scales alone under
       `save_dots`, which keeps the int32 product and replays its rescaling. The least any program
       moves for this method is the forward's int8 values and scales and the backward's
-      unquantised weight (`backward_minimum`: a replay could quantise the backward's copy)."""
+      unquantised weight (`backward_minimum`: a replay could quantise the backward's copy);
+    - fp8 under GSPMD: each device casts its own shard to e4m3 (per-tensor divisor, a scalar),
+      and the forward and the backward (which keeps the e4m3 weight) gather e4m3
+      (`e4m3_wire_itemsize`), a replayed forward once more."""
     site = leaf.path.split("/")[-1]
     if not active(spec) or site not in QUANTISED_SITES:
         return None
@@ -95,6 +98,10 @@ def weight_gathers(spec, leaf) -> Gathers | None:
         return Gathers(elements + scales, plain, 1, 1, plain)
     if not _on_shards(spec, leaf):
         return None
+    if spec.qat == "fp8":
+        e4m3 = elements * e4m3_wire_itemsize(spec)
+        again = e4m3 if _replayed(spec, site) else 0.0
+        return Gathers(e4m3, e4m3 + again, 1, 1 + int(bool(again)), e4m3)
     n = 1 + int(split)
     again, count = 0.0, 0
     if _replayed(spec, site):
@@ -102,6 +109,16 @@ def weight_gathers(spec, leaf) -> Gathers | None:
     elif _saves_products(spec) and split and site != "w_down":
         again, count = scales, 1
     return Gathers(elements + scales, plain + again, n, 1 + count, plain)
+
+
+def e4m3_wire_itemsize(spec) -> int:
+    """Bytes of an e4m3 element in a collective: 1, but 2 on XLA:CPU, which carries float8 in
+    f16 (4 under a float16 policy, where the census counts f16 as the formulas' widened
+    16-bit values: `inspect.cpu_widened`)."""
+    from jaxscale.strategies import precision
+    if spec.hardware.native_16bit:
+        return 1
+    return 4 if precision.activation_dtype(spec) == "float16" else 2
 
 
 def layer_entries(entries, shape, sizes: dict, zero3: bool, layers: int | None) -> list:
@@ -159,12 +176,13 @@ def _saves_products(spec) -> bool:
 
 
 def _on_shards(spec, leaf) -> bool:
-    """Whether int8 quantises the weight on its shards (`on_shards`) under GSPMD, and these are
+    """Whether 8-bit QAT quantises the weight on its shards (`on_shards`) under GSPMD, and these are
     split over the gather axes (else fsdp's gather, if any, is of whole layers, in the compute
     dtype)."""
     from jaxscale.strategies.zero import gather_axes
     split = set(_gathered_over(spec, leaf, True) + _gathered_over(spec, leaf, False))
-    return (spec.qat == "int8" and spec.tp_overlap == "none" and "experts" not in leaf.axes
+    return (spec.qat in ("int8", "fp8") and spec.tp_overlap == "none"
+            and "experts" not in leaf.axes
             and split == set(gather_axes(spec))
             and not (spec.remat not in ("none", "") and leaf.path.split("/")[-1]
                      in _columns(spec)))
@@ -198,9 +216,10 @@ def arrives_gathered(site: str, rules) -> bool:
 
 
 def on_shards(eq: str, w_q, site: str, w_names, rules):
-    """The int8 weight and its per-channel scales laid out as the weight is (the scales'
-    contracted dimensions, of size 1, whole): each device quantises its own shard, and FSDP's
-    gather moves int8 values and fp32 scales, never the unquantised weight (`weight_gathers`).
+    """The 8-bit weight and its scales laid out as the weight is (int8's per-channel scales'
+    contracted dimensions, of size 1, whole; fp8's per-tensor divisor and amax are scalars):
+    each device quantises its own shard, and FSDP's gather moves the 8-bit values (and int8's
+    fp32 scales), never the unquantised weight (`weight_gathers`).
     The weight's layout: the rules' (the region's, inside one), split over dp too under ZeRO-3
     where dp is not manual here."""
     import jax
@@ -213,7 +232,7 @@ def on_shards(eq: str, w_q, site: str, w_names, rules):
     if here is None:
         return w_q
     mesh = here[0]
-    qw, sw = w_q
+    qw, *rest = w_q
     manual = {a for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
               if t == jax.sharding.AxisType.Manual}
     opt = rules.options.get("projection", {})
@@ -224,9 +243,9 @@ def on_shards(eq: str, w_q, site: str, w_names, rules):
                else k[0] if len(k) == 1 else k for e in entries))
     _, cw, _ = numerics._dims(eq)
     entries = tuple(spec) + (None,) * (qw.ndim - len(spec))
+    channels = NamedSharding(mesh, P(*(None if d in cw else e for d, e in enumerate(entries))))
     return (jax.lax.with_sharding_constraint(qw, NamedSharding(mesh, P(*entries))),
-            jax.lax.with_sharding_constraint(sw, NamedSharding(mesh, P(*(
-                None if d in cw else e for d, e in enumerate(entries))))))
+            *(jax.lax.with_sharding_constraint(t, channels) if t.ndim else t for t in rest))
 
 
 def int8_scale_collectives(spec) -> list:

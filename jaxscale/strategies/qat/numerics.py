@@ -13,10 +13,11 @@ int8 (`int8_matmul`): w symmetric per output channel (max |w| over the contracte
 fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torchao float8):
     per-tensor scales, x and w cast to e4m3 (max 448) for the forward dot, the output gradient
     to e5m2 (max 57344) for both backward dots (dx = g w^T, dw = x^T g, fp32 accumulation). The
-    backward keeps x as e4m3 (1 byte per element instead of the compute dtype's) and w as it is.
-    x is cast outside the `custom_vjp` (`quantize_input`), so the sites reading one input (q, k,
-    v; gate, up) can share one cast, and the backward one saved copy. A scale is a divisor:
-    x8 = saturate(x / s). `scales` gives (s_x, s_w, s_g) from the amax history (delayed
+    backward keeps x and w as e4m3 (1 byte per element instead of the compute dtype's). x is
+    cast outside the `custom_vjp` (`quantize_input`), so the sites reading one input (q, k, v;
+    gate, up) can share one cast, and the backward one saved copy; w too (`quantize_weight`),
+    where the caller lays it out (on the weight's shards, so that FSDP's gathers move e4m3).
+    A scale is a divisor: x8 = saturate(x / s). `scales` gives (s_x, s_w, s_g) from the amax history (delayed
     scaling); an entry <= 0 means "no history yet": that tensor is scaled by its own amax just
     in time, as is everything when `scales` is None (current scaling).
     The matmul reports the amaxes it saw as the cotangent of `scales` (the "overwrite with
@@ -200,41 +201,50 @@ def quantize_input(x, given=None):
     return _cast(xs, sx, E4M3), sx, ax
 
 
-def fp8_matmul(eq: str, x, w, scales=None, record_x: bool = True, x_q=None):
+def quantize_weight(w, given=None):
+    """(w in e4m3, its divisor, its amax), no gradient: the weight operand, computed outside the
+    matmul's `custom_vjp` where the caller can lay it out (`qat.layout.on_shards`)."""
+    ws = jax.lax.stop_gradient(w)
+    aw = _amax(ws)
+    sw = _scale(None if given is None else jax.lax.stop_gradient(given), aw, FP8_MAX["w"])
+    return _cast(ws, sw, E4M3), sw, aw
+
+
+def fp8_matmul(eq: str, x, w, scales=None, record_x: bool = True, x_q=None, w_q=None):
     """einsum(eq, x, w) through an e4m3 x e4m3 dot, its backward through e5m2 x e4m3 dots.
     `scales`: f32[3] divisors (x, w, g), entries <= 0 (or None) scaled just in time; the
-    cotangent of `scales` is the amaxes seen (x's only if `record_x`). `x_q`: x already
-    quantised (`quantize_input`) by a site reading the same input."""
+    cotangent of `scales` is the amaxes seen (x's only if `record_x`). `x_q`, `w_q`: x already
+    quantised (`quantize_input`) by a site reading the same input, w (`quantize_weight`) where
+    the caller placed it."""
     scales = jnp.zeros((3,), jnp.float32) if scales is None else scales
     x8, sx, ax = quantize_input(x, scales[0]) if x_q is None else x_q
-    return _fp8(eq, record_x, manual_axes(), x, x8, sx, ax, w, scales)
+    w8, sw, aw = quantize_weight(w, scales[1]) if w_q is None else w_q
+    return _fp8(eq, record_x, manual_axes(), x, x8, sx, ax, w, w8, sw, aw, scales)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8(eq, record_x, over, x, x8, sx, ax, w, scales):
-    return _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, scales)[0]
+def _fp8(eq, record_x, over, x, x8, sx, ax, w, w8, sw, aw, scales):
+    return _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, w8, sw, aw, scales)[0]
 
 
-def _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, scales):
-    aw = _amax(w, over)       # traced where it is differentiated: the call's regions in `over`
-    sw = _scale(scales[1], aw, FP8_MAX["w"])
-    y = _dot(eq, x8, _cast(w, sw, E4M3), jnp.float32) * (sx * sw)
-    # the backward keeps x in e4m3 (not x) and w as it is (its e4m3 copy is recast there)
-    return y.astype(x.dtype), (x8, w, sx, sw, scales[2], ax if record_x else 0.0 * ax, aw,
-                               jnp.zeros((0,), x.dtype))
+def _fp8_fwd(eq, record_x, over, x, x8, sx, ax, w, w8, sw, aw, scales):
+    y = _dot(eq, x8, w8, jnp.float32) * (sx * sw)
+    # the backward keeps x and w in e4m3, as the forward read them
+    return y.astype(x.dtype), (x8, w8, sx, sw, scales[2], ax if record_x else 0.0 * ax, aw,
+                               jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _fp8_bwd(eq, record_x, over, res, g):
-    x8, w, sx, sw, given_g, ax, aw, x_dtype = res
+    x8, w8, sx, sw, given_g, ax, aw, x_dtype, w_dtype = res
     ag = _amax(g, over)       # the backward is traced outside the forward's manual regions
     sg = _scale(given_g, ag, FP8_MAX["g"])
     g8 = _cast(g, sg, E5M2)
     dx_eq, dw_eq = _swap(eq)
-    dx = _dot(dx_eq, g8, _cast(w, sw, E4M3), jnp.float32) * (sg * sw)
+    dx = _dot(dx_eq, g8, w8, jnp.float32) * (sg * sw)
     dw = _dot(dw_eq, x8, g8, jnp.float32) * (sx * sg)
     zero = jnp.zeros((), jnp.float32)
-    return (dx.astype(x_dtype.dtype), jnp.zeros_like(x8), zero, zero, dw.astype(w.dtype),
-            jnp.stack([ax, aw, ag]))
+    return (dx.astype(x_dtype.dtype), jnp.zeros_like(x8), zero, zero, dw.astype(w_dtype.dtype),
+            jnp.zeros_like(w8), zero, zero, jnp.stack([ax, aw, ag]))
 
 
 _fp8.defvjp(_fp8_fwd, _fp8_bwd)
