@@ -133,7 +133,8 @@ def gathers_by_dtype(text) -> dict:
     for ins in mod.instrs:
         if ins.opcode.startswith("all-gather"):
             dtype, dims = hlo.shapes(ins.type_str)[0]
-            out[dtype] = out.get(dtype, 0) + int(np.prod(dims)) * {"s8": 1, "f16": 2, "f32": 4}[dtype] \
+            size = {"s8": 1, "f16": 2, "f32": 4}[dtype]
+            out[dtype] = out.get(dtype, 0) + int(np.prod(dims)) * size \
                 * mod.runs.get(ins.computation, 0)
     return out
 

@@ -76,11 +76,6 @@ def run(n: int, seed: int, out: Path | None = None) -> list[dict]:
     return rows
 
 
-def _uneven(r: dict) -> bool:
-    settings = dict(o.split("=", 1) for o in composition.overrides(*r["options"]))
-    return r["shape"]["model.n_layers"] % (r["mesh"]["pp"] * generate.chunks(settings)) != 0
-
-
 #: failures whose mechanism is diagnosed but not yet fixed: (name, whether a result row shows
 #: it, the mechanism); the summary names each failure's, or "undiagnosed"
 KNOWN = [
@@ -104,11 +99,6 @@ KNOWN = [
      "XLA:CPU's compiler aborts (hlo_instruction.cc: \"Invalid binary instruction opcode "
      "copy\") on bf16 plans with Megatron SP and micro-batches (seed 1128, dp2 x tp4: in fp32, "
      "with one micro-batch or without SP it compiles)"),
-    ("uneven pipeline stages", lambda r: r["failure"] == "memory" and r["mesh"]["pp"] > 1
-     and _uneven(r) and (r["temp"] or 1) < 1,
-     "layers that do not split evenly over the stages (5 over 2): the engine's branches for "
-     "the shorter stage compile to temporaries the planner does not count (0.6 to 15 MB "
-     "measured, growing with the residuals of a micro-batch)"),
 ]
 
 

@@ -17,9 +17,9 @@ fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torch
     cast outside the `custom_vjp` (`quantize_input`), so the sites reading one input (q, k, v;
     gate, up) can share one cast, and the backward one saved copy; w too (`quantize_weight`),
     where the caller lays it out (on the weight's shards, so that FSDP's gathers move e4m3).
-    A scale is a divisor: x8 = saturate(x / s). `scales` gives (s_x, s_w, s_g) from the amax history (delayed
-    scaling); an entry <= 0 means "no history yet": that tensor is scaled by its own amax just
-    in time, as is everything when `scales` is None (current scaling).
+    A scale is a divisor: x8 = saturate(x / s). `scales` gives (s_x, s_w, s_g) from the amax
+    history (delayed scaling); an entry <= 0 means "no history yet": that tensor is scaled by
+    its own amax just in time, as is everything when `scales` is None (current scaling).
     The matmul reports the amaxes it saw as the cotangent of `scales` (the "overwrite with
     gradient" mechanism of Flax's fp8 ops): the gradient of the per-layer scales *is* the new
     amaxes (x, w from the forward, g from the backward), which `update_history` rolls in.
