@@ -159,3 +159,30 @@ def test_full_remat_with_weights_gathered_before_the_region_matches_one_device()
     mesh = tuple(o for o in PLANS["pp2 x fsdp2 x tp2 remat=full"] if o.startswith("mesh."))
     got = numerics.run((*SHAPE, *shared, *mesh))
     numerics.assert_matches(got, numerics.one_device(*SHAPE, *shared), numerics.FP32)
+
+
+
+@pytest.mark.parametrize("shape", ["llama_tiny", "6 heads, 96 wide"])
+def test_full_remat_may_gather_the_row_weight_again_in_the_replay(shape):
+    """dp2 x fsdp2 x tp2 under full remat, no pipeline: tensor parallelism's row region gathers
+    wo (its tp shard) at its entry, and the replay and the backward are two regions. XLA gathers
+    it a third time per layer on `llama_tiny` (8 heads, 128 wide: [4, 16, 128] fp32) and shares
+    one gather on the 6-head, 96-wide shape (2 a layer); the formula's optional row
+    (`fsdp.regathered`, beside the LM head's optional backward gather) is counted where it was
+    emitted, and the census equals the formula either way."""
+    from jaxscale.analysis import hlo
+    extra = () if shape == "llama_tiny" else SHAPE
+    cfg = tiny_config(*extra, "mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.remat=full",
+                      "plan.check_memory=false")
+    setup = build(cfg)
+    text = setup.lower_train_step().compile().as_text()
+    m = cfg.model
+    wo = (m.n_heads // 2, m.dim // m.n_heads, m.dim)
+    mod = hlo.Module(text)
+    runs = sum(mod.runs.get(i.computation, 0) for i in mod.instrs
+               if i.opcode.startswith("all-gather") and tuple(hlo.shapes(i.type_str)[0][1]) == wo)
+    assert runs == (3 if shape == "llama_tiny" else 2) * m.n_layers
+    rows = inspect.theory_vs_census(plan.collectives(setup.placement.spec),
+                                    inspect.census(text, setup.placement.mesh))
+    (row,) = [r for r in rows if r["kind"] == "all-gather" and r["axes"] == ["fsdp"]]
+    assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-4), row

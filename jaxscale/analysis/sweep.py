@@ -6,7 +6,11 @@ reproduces it.
     python -m jaxscale.analysis.sweep --results runs/a.jsonl runs/b.jsonl --update-docs
 
 `--update-docs` writes the summary, every failure and a figure (cases passed and failed per
-option) into docs/composition.md after the pair table, and docs/img/composition_sweep.png.
+option) into docs/composition.md after the pair table, docs/img/composition_sweep.png, and the
+rows into docs/composition_sweep.jsonl. A later file's row of a seed replaces an earlier one's,
+so a fix is published by re-running the seeds it touches:
+
+    python -m jaxscale.analysis.sweep --results docs/composition_sweep.jsonl new.jsonl --update-docs
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from jaxscale.analysis import composition, generate
 
 MARK = composition.SWEEP_MARK
 FIGURE = composition.DOC.parent / "img" / "composition_sweep.png"
+RESULTS = composition.DOC.parent / "composition_sweep.jsonl"
 
 
 def row(res: generate.Result, seconds: float) -> dict:
@@ -158,7 +163,8 @@ def runs(seeds: list[int]) -> list[tuple[int, int]]:
 
 
 def docs_section(rows: list[dict]) -> str:
-    per = sorted(r["seconds"] for r in rows)
+    per = sorted(r["seconds"] for r in rows if r["seconds"] is not None) or [0.0]
+    timed = "" if len(per) == len(rows) else f" (of the {len(per)} whose time was kept)"
     cmds = " and ".join(f"`python -m jaxscale.analysis.sweep --cases {n} --seed {s}`"
                         for s, n in runs([r["seed"] for r in rows]))
     verb = "draw" if " and " in cmds else "draws"
@@ -168,7 +174,7 @@ def docs_section(rows: list[dict]) -> str:
             f"as the tests prove a strategy: 3 real AdamW updates against the reference within "
             f"the methods' summed error bounds, the census row by row against the formulas, "
             f"compiled memory and FLOPs against the planner (`jaxscale.analysis.generate`). "
-            f"Median {per[len(per) // 2]:.0f} s a case on 2 CPU cores.\n\n"
+            f"Median {per[len(per) // 2]:.0f} s a case on 2 CPU cores{timed}.\n\n"
             f"![generated layouts](img/{FIGURE.name})\n\n{summary(rows)}\n")
 
 
@@ -187,13 +193,15 @@ def main(argv=None) -> int:
                          "instead of running cases")
     args = ap.parse_args(argv)
     if args.results:
-        rows = sorted((json.loads(line) for f in args.results for line in f.read_text().splitlines()
-                       if line.strip()), key=lambda r: r["seed"])
-        seeds = [r["seed"] for r in rows]
-        if len(set(seeds)) < len(seeds):
-            ap.error(f"--results hold seeds {sorted(s for s in set(seeds) if seeds.count(s) > 1)}"
-                     f" more than once: give each sweep's file once")
-        return _report(rows, args.update_docs)
+        if len(set(args.results)) < len(args.results):
+            ap.error("--results names a file more than once: give each sweep's file once")
+        by_seed = {}        # a later file's row of a seed replaces an earlier one's
+        for f in args.results:
+            for line in f.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    by_seed[r["seed"]] = r
+        return _report([by_seed[s] for s in sorted(by_seed)], args.update_docs)
     if "jax" not in sys.modules:            # the 8 simulated devices every case is drawn for
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -212,6 +220,7 @@ def _report(rows: list[dict], update_docs: bool) -> int:
     if update_docs:
         table = composition.table_part(composition.DOC.read_text())
         composition.DOC.write_text(table + docs_section(rows))
+        RESULTS.write_text("".join(json.dumps(r) + "\n" for r in rows))
         plot(rows, FIGURE)
         print(f"wrote {composition.DOC} and {FIGURE}", file=sys.stderr)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -175,6 +175,15 @@ def block_wrapper(policy: str) -> Callable | None:
 
 _REPLAYED: contextvars.ContextVar = contextvars.ContextVar("jaxscale_remat_replayed",
                                                            default=False)
+#: the remat tag of each block weight's matmul output (`jaxscale.models.llama.TAGS`)
+SITE_TAG = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+            "w_gate": "mlp_gate", "w_up": "mlp_up", "w_down": "mlp_down"}
+
+
+def replays(policy: str, sites) -> bool:
+    """Whether the policy's replayed forward recomputes any of these sites' matmuls."""
+    return policy not in ("", "none") and parse(policy) != "none" and any(
+        actions(policy)[SITE_TAG[s]] == "remat" for s in sites if s in SITE_TAG)
 
 
 def replayed() -> bool:

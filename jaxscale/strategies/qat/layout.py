@@ -48,11 +48,6 @@ def _split_by(spec, leaf, contracted: bool, mesh_axis: str) -> bool:
                for d in _contracted(leaf, contracted))
 
 
-#: the remat tag of each quantised site's output (`jaxscale.models.llama.TAGS`)
-OUTPUT_TAG = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
-              "w_gate": "mlp_gate", "w_up": "mlp_up", "w_down": "mlp_down"}
-
-
 class Gathers(NamedTuple):
     """fsdp's all-gathers of one quantised block weight over the layers a device runs."""
     forward: float            # bytes
@@ -190,9 +185,8 @@ def _on_shards(spec, leaf) -> bool:
 
 def _replayed(spec, site: str) -> bool:
     """Whether a remat policy's replayed forward recomputes the site's matmul."""
-    from jaxscale.strategies.remat import actions
-    return (spec.remat not in ("none", "") and site != "w_down"
-            and actions(spec.remat)[OUTPUT_TAG[site]] == "remat")
+    from jaxscale.strategies.remat import replays
+    return site != "w_down" and replays(spec.remat, (site,))
 
 
 def _columns(spec) -> tuple[str, ...]:
