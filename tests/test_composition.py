@@ -63,8 +63,8 @@ def test_a_refusal_names_both_settings():
 
 # ----------------------------------------------------------------------------- generated layouts
 #: seeds that pass whole and together hold every option: the quickest such nine found among the
-#: sweep's passes (docs/composition_sweep.jsonl; 30-70 s a case on 2 cores); half run here,
-#: half in `test_composition_cases.py` (two workers)
+#: sweep's passes (docs/composition_sweep.jsonl; 13-58 s a case here, 2:42 for the nine on
+#: two workers); four run here, five in `test_composition_cases.py`
 CI_SEEDS = (1024, 1113, 1104, 1109, 1032, 2998, 1121, 1037, 1118)
 HERE = CI_SEEDS[:4]
 
