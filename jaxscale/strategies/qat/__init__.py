@@ -44,9 +44,9 @@ straight-through backward gathers the weight in the compute dtype (-32% of the t
 gather bytes); a remat replay gathers the int8 operands again (`weight_gathers`, fsdp's formula,
 census = formula row by row; its minimum column leaves the replay's out). Under a remat policy
 tensor parallelism's column weights reach the projection gathered (`arrives_gathered`) and are
-quantised there. fp8 under GSPMD is left to XLA (it casts some shards before the gathers,
-widened to f16 by XLA:CPU); under collective matmul both methods' rings gather the quantised
-weight (docs/quantization.md).
+quantised there. fp8 casts each shard to e4m3 the same way (a per-tensor divisor: no scales to
+gather), and its backward keeps that shard, so both gathers move e4m3 (f16 on XLA:CPU); under
+collective matmul both methods' rings gather the quantised weight (docs/quantization.md).
 
 A mixture of experts' expert matmuls run through the same numerics as grouped matmuls
 (`ragged.py`, the rules' `grouped` seam; the plan runs its mixtures as grouped experts), their

@@ -24,8 +24,9 @@ fp8 (`fp8_matmul`): the float8 training recipe (NVIDIA Transformer Engine, torch
     gradient" mechanism of Flax's fp8 ops): the gradient of the per-layer scales *is* the new
     amaxes (x, w from the forward, g from the backward), which `update_history` rolls in.
     The `custom_vjp`'s forward and backward are traced where the step is differentiated, after
-    the manual regions of the call (a tensor-parallel group's weight shards) are gone: both take
-    the regions' axes from the call (`over`), so that w's and g's amaxes are the whole tensor's.
+    the manual regions of the call (a tensor-parallel group's weight shards) are gone: the
+    backward takes the regions' axes from the call (`over`), so that g's amax is the whole
+    tensor's, as x's and w's are (taken at the call, `quantize_input` and `quantize_weight`).
 
 Layout of the delayed-scaling state, per layer: `SLOTS` (the inputs x of the four matmul groups:
 q/k/v share theirs, gate/up theirs, as in a fused QKV or gate-up kernel; the seven weights; the
