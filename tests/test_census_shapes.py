@@ -171,18 +171,19 @@ def test_full_remat_may_gather_the_row_weight_again_in_the_replay(shape):
     (`fsdp.regathered`, beside the LM head's optional backward gather) is counted where it was
     emitted, and the census equals the formula either way."""
     from jaxscale.analysis import hlo
-    extra = () if shape == "llama_tiny" else SHAPE
-    cfg = tiny_config(*extra, "mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "plan.remat=full",
-                      "plan.check_memory=false")
-    setup = build(cfg)
-    text = setup.lower_train_step().compile().as_text()
-    m = cfg.model
+    if shape == "llama_tiny":
+        setup = build(tiny_config(*PLANS["dp2 x fsdp2 x tp2 remat=full"],
+                                  "plan.check_memory=false"))
+        text = setup.lower_train_step().compile().as_text()
+        rows = inspect.theory_vs_census(plan.collectives(setup.placement.spec),
+                                        inspect.census(text, setup.placement.mesh))
+    else:                           # the row-by-row test's compiled step, shared
+        setup, text, rows = _compiled("dp2 x fsdp2 x tp2 remat=full")
+    m = setup.cfg.model
     wo = (m.n_heads // 2, m.dim // m.n_heads, m.dim)
     mod = hlo.Module(text)
     runs = sum(mod.runs.get(i.computation, 0) for i in mod.instrs
                if i.opcode.startswith("all-gather") and tuple(hlo.shapes(i.type_str)[0][1]) == wo)
     assert runs == (3 if shape == "llama_tiny" else 2) * m.n_layers
-    rows = inspect.theory_vs_census(plan.collectives(setup.placement.spec),
-                                    inspect.census(text, setup.placement.mesh))
     (row,) = [r for r in rows if r["kind"] == "all-gather" and r["axes"] == ["fsdp"]]
     assert row["census_bytes"] == pytest.approx(row["theory_bytes"], rel=1e-4), row

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxscale.analysis import hlo, hlo_flops
 from jaxscale.cost import busbw_factor
 from jaxscale.strategies.common import Comm
+from jaxscale.strategies.precision import cpu_widened  # noqa: F401  (the census's rule)
 
 
 def axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:
@@ -186,20 +187,6 @@ def format_report(rep: dict) -> str:
                      + (f" ({t['note']})" if t["note"] else ""))
     return "\n".join(lines)
 
-
-
-def cpu_widened(spec) -> tuple[str, ...]:
-    """The dtypes the census counts at 4 bytes on XLA:CPU. Its formulas count every 16-bit value
-    at 4 bytes there (`Spec.wire_compute_itemsize`: XLA:CPU widens bf16 collectives to f32), but
-    XLA:CPU carries float16 ones as they are, and moves some converts across them (norm scales
-    and the embedding gathered in f32, their gradients and the head's softmax in f32): under a
-    float16 policy its f16 collectives count at 4 bytes too, so that one formula holds on CPU
-    for both 16-bit policies (on GPU both are counted as moved). With fp8 QAT too: the e4m3
-    operands XLA:CPU widens to f16 then count as the formulas' widened f16 (dp2 x fsdp2 x tp2
-    and fsdp4 x tp2 with collective matmul in fp16 + fp8: every row within 0.1%; counted at 2
-    bytes, tp and fsdp rows 0.55-0.76 of their formula)."""
-    from jaxscale.strategies import precision
-    return ("f16",) if precision.activation_dtype(spec) == "float16" else ()
 
 
 def report(cfg, devices=None) -> dict:

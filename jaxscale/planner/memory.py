@@ -44,7 +44,6 @@ from jaxscale import plan as plan_lib
 from jaxscale.strategies import pp, remat, zero
 from jaxscale.strategies.common import Term
 from jaxscale.strategies.offload import tiers
-from jaxscale.strategies.tables.params import leaves
 from jaxscale.strategies.zero import STAGE_OF
 
 ROWS = ("params", "master", "grads", "optimizer", "activations", "temporaries", "batch")
@@ -112,9 +111,8 @@ def model_terms(spec, full) -> list[Term]:
     # inside the backward loop: one layer's reduced copy beside the stack (dp8, fp32: the compiled
     # temp grows by a layer's gradients and this copy per layer, 2-6 layers; a mixture of experts
     # peaks in its MoE layer: `ep.memory`)
-    layer = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.stacked) \
-        / spec.stored_layers * spec.held_param_itemsize
-    reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) * layer
+    reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) \
+        * zero.stored_layer_bytes(spec)
     return [
         Term("backward", reduced, "one layer's gradients all-reduced inside the layer loop"),
         Term("backward", grads, "local gradient buffer"),

@@ -150,22 +150,19 @@ def collectives(spec) -> list[Comm]:
 
 
 def regathered(spec, leaf) -> bool:
-    """Whether a remat policy's replay gathers a row weight once more: tensor parallelism's
-    row region (wo) gathers its weight at its entry, and the replay and the transpose are two
-    regions, where the policy recomputes the weight's matmul (w_down's output only feeds the
-    residual, never replayed). The column weights are gathered before their region, one copy
-    for both (`remat.gathered_before`). XLA may still share one gather between the two
-    regions, so the formula counts it as optional: dp2 x fsdp2 x tp2 remat=full on
-    `llama_tiny` and seed 1122 (dim 160, Megatron SP) gather it a third time (fsdp's gathers
-    0.97 and 0.94 of the formula without it), the 6-head, 96-wide shape of
-    `test_census_shapes.py` does not. A pipeline
+    """Whether a remat policy's replay gathers wo once more: tensor parallelism's row region
+    gathers its weight at its entry, and the replay and the transpose are two regions, where
+    the policy recomputes wo's matmul (w_down's output only feeds the residual, never
+    replayed; the column weights are gathered before their region, one copy for both:
+    `remat.gathered_before`). XLA may still share one gather between the two regions, so the
+    formula counts it as optional: dp2 x fsdp2 x tp2 remat=full on `llama_tiny` and seed 1122
+    (dim 160, Megatron SP) gather it a third time (fsdp's gathers 0.97 and 0.94 of the formula
+    without it), the 6-head, 96-wide shape of `test_census_shapes.py` does not. A pipeline
     stage's B op replays and differentiates its layers from one gather of each weight
     (`test_census_shapes.py`: pp2 x fsdp2 x tp2, 11 gathers a layer)."""
     from jaxscale.strategies.remat import replays
-    from jaxscale.strategies.tp import ROW
-    site = leaf.path.split("/")[-1]
-    return (spec.deg("tp") > 1 and spec.deg("pp") == 1 and site in ROW and site != "w_down"
-            and "experts" not in leaf.axes and replays(spec.remat, (site,)))
+    return (leaf.path.split("/")[-1] == "wo" and spec.deg("tp") > 1 and spec.deg("pp") == 1
+            and replays(spec.remat, ("wo",)))
 
 
 def step_gathered(spec) -> bool:

@@ -124,6 +124,19 @@ def activation_dtype(spec) -> str:
     return _BASE[spec.precision][1] if mixed(spec) else spec.model.dtype
 
 
+def cpu_widened(spec) -> tuple[str, ...]:
+    """The dtypes the census counts at 4 bytes on XLA:CPU. Its formulas count every 16-bit value
+    at 4 bytes there (`Spec.wire_compute_itemsize`: XLA:CPU widens bf16 collectives to f32), but
+    XLA:CPU carries float16 ones as they are, and moves some converts across them (norm scales
+    and the embedding gathered in f32, their gradients and the head's softmax in f32): under a
+    float16 policy its f16 collectives count at 4 bytes too, so that one formula holds on CPU
+    for both 16-bit policies (on GPU both are counted as moved). With fp8 QAT too: the e4m3
+    operands XLA:CPU widens to f16 then count as the formulas' widened f16 (dp2 x fsdp2 x tp2
+    and fsdp4 x tp2 with collective matmul in fp16 + fp8: every row within 0.1%; counted at 2
+    bytes, tp and fsdp rows 0.55-0.76 of their formula)."""
+    return ("f16",) if activation_dtype(spec) == "float16" else ()
+
+
 def compute_itemsize(spec) -> int:
     """Bytes of an activation element in the compute dtype (before any backend widening)."""
     return dtype_bytes(activation_dtype(spec))

@@ -84,6 +84,13 @@ def grad_buffer(spec) -> float:
     return (sh.grads if gather_axes(spec) else sh.params) * spec.held_param_itemsize
 
 
+def stored_layer_bytes(spec) -> float:
+    """One stored layer's parameters on this device as the step holds them (its rows of the
+    stacked layers; a weight-sized buffer the planner's terms count in layers)."""
+    return sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.stacked) \
+        / spec.stored_layers * spec.held_param_itemsize
+
+
 def grads_whole(spec) -> bool:
     """Whether the gradient stack is kept whole over the data axes until the update (no gather
     for compute, so no layer-by-layer reduce-scatter; no ZeRO-2 scatter): XLA then all-reduces

@@ -167,10 +167,8 @@ def uneven(spec, residual: float) -> list[Term]:
     n = max((k for k in set(stages.counts(spec)) if 2 <= k < stages.rows(spec)), default=0)
     if not n:
         return []
-    layer = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.stacked) \
-        / spec.stored_layers * spec.held_param_itemsize
     copies = 1 if spec.schedule in ps.SPLIT else 2
-    return [Term("backward", n * (copies * layer + residual),
+    return [Term("backward", n * (copies * zero.stored_layer_bytes(spec) + residual),
                  f"a {n}-layer stage's sliced weights and its residuals before they are padded "
                  f"to {stages.rows(spec)} layers")]
 

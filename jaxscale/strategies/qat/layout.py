@@ -108,12 +108,12 @@ def weight_gathers(spec, leaf) -> Gathers | None:
 
 def e4m3_wire_itemsize(spec) -> int:
     """Bytes of an e4m3 element in a collective: 1, but 2 on XLA:CPU, which carries float8 in
-    f16 (4 under a float16 policy, where the census counts f16 as the formulas' widened
-    16-bit values: `inspect.cpu_widened`)."""
+    f16 (4 where the census counts f16 as the formulas' widened 16-bit values:
+    `precision.cpu_widened`)."""
     from jaxscale.strategies import precision
     if spec.hardware.native_16bit:
         return 1
-    return 4 if precision.activation_dtype(spec) == "float16" else 2
+    return 4 if "f16" in precision.cpu_widened(spec) else 2
 
 
 def layer_entries(entries, shape, sizes: dict, zero3: bool, layers: int | None) -> list:
