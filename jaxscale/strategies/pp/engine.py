@@ -99,10 +99,10 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
         along = rules.spec(("batch", "norm_seq", "embed"))
         stream = lambda n: jax.lax.with_sharding_constraint(zeros(n, x_shape),  # noqa: E731
                                                             P(None, *along))
-        layout = _token_layout(rules, x_shape.shape[:2], buffer)
+        layout = _token_layout(rules, buffer)
         buf = {"act": stream(prog.slots["act"]), "grad": stream(prog.slots["grad"]),
-               "res": [] if forward_only else [_slots(prog.slots["res"], s, host, layout)
-                                               for s, host in zip(*kept[rows][2:])],
+               "res": [] if forward_only else [_slots(prog.slots["res"], s, host, layout, at)
+                                               for s, host, at in zip(*kept[rows][2:])],
                "tape": jax.tree.map(lambda s: zeros(prog.slots["tape"], s),
                                     jax.eval_shape(lambda: ops.zero_taps(rows)))
                if split and not forward_only else None}
@@ -263,39 +263,39 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
 
 
 # ----------------------------------------------------------------------------- residual slots
-def _token_layout(rules, rows_seq: tuple[int, int], buffer: tuple[int, int] | None):
-    """dims -> the layout the stage gives a residual of the micro-batch's tokens (entries per
-    dimension, `P.UNCONSTRAINED` where it is free), or None for another residual. A slot buffer
-    of the layer stack ([layers, E, rows, C, ...]: `buffer` = (E, C)) has its experts over their
-    axes and its rows over the batch's other axes; any other residual with a [rows, seq] pair
-    among its dimensions has those rows over the batch's axes. The buffer is told apart first:
-    its [rows, C] is such a pair where C = seq, and laid out by the pair its rows would take the
-    experts' axes too (ep), every write and read an all-to-all."""
-    rows, _ = rows_seq
+def _token_layout(rules, buffer: tuple[int, int] | None):
+    """(dims, at) -> the layout the stage gives a residual whose micro-batch rows are dimension
+    `at` (entries per dimension, `P.UNCONSTRAINED` where it is free), or None for a residual
+    without them (`at` None). A slot buffer of the layer stack ([layers, E, rows, C, ...]:
+    `buffer` = (E, C)) has its experts over their axes and its rows over the batch's other axes
+    (laid out by its rows alone they would take the experts' axes too, ep: every write and read
+    an all-to-all); any other residual has its rows over the batch's axes."""
     both = rules.spec(("experts", "batch"))
     batch = rules.spec(("batch",))[0]
 
-    def layout(dims):
+    def layout(dims, at):
+        if at is None:
+            return None
         out = [P.UNCONSTRAINED] * len(dims)
-        if buffer is not None and tuple(dims[1:4]) == (buffer[0], rows, buffer[1]):
+        if buffer is not None and at == 2 and (dims[1], dims[3]) == buffer:
             out[1], out[2] = both[0], both[1]
             return out
-        at = next((i for i in range(len(dims) - 1) if tuple(dims[i:i + 2]) == tuple(rows_seq)),
-                  None)
-        if at is None or batch is None:
+        if batch is None:
             return None
         out[at] = batch
         return out
     return layout
 
 
-def _slots(n, shape, host: bool, layout):
+def _slots(n, shape, host: bool, layout, at):
     """n slots for a residual, in host memory for one the remat policy offloads. A residual of
-    the micro-batch's tokens is laid out in its slots as the stage computes it (`layout`, see
-    `_token_layout`): left to GSPMD, the slots can take the weights' layout (the model dimension
-    over fsdp) and every write and read would reshard them with all-to-alls."""
+    the micro-batch's tokens (its rows dimension `at`) is laid out in its slots as the stage
+    computes it (`layout`, see `_token_layout`): left to GSPMD, the slots can take the weights'
+    layout (the model dimension over fsdp) or split another dimension over a data axis (an odd
+    kv head count's query group over fsdp, the batch over dp alone), and every write and read
+    would reshard them with all-to-alls."""
     z = jnp.zeros((n, *shape.shape), shape.dtype)
-    spec = layout(shape.shape)
+    spec = layout(shape.shape, at)
     if spec is not None:
         z = jax.lax.with_sharding_constraint(z, P(None, *spec))
     return jax.device_put(z, jax.memory.Space.Host) if host else z
@@ -303,7 +303,11 @@ def _slots(n, shape, host: bool, layout):
 
 def _residuals(ops, lay, x_shape, mb, scales):
     """(residual tree structure, for each residual the weight leaf it is or None, the shapes of
-    the ones kept in slots) of a stage of these layers."""
+    the ones kept in slots, whether each is in host memory, the dimension of each that holds the
+    micro-batch's rows or None) of a stage of these layers. The rows dimension is the one that
+    doubles with the micro-batch (traced again at twice its rows): read from the shapes alone it
+    is ambiguous where another dimension has as many entries (a kv head's query group, the
+    stage's layers)."""
     probe = {}
 
     def f(lay, x, mb, scales):
@@ -317,20 +321,27 @@ def _residuals(ops, lay, x_shape, mb, scales):
                      host=[jax.typeof(k).memory_space == jax.memory.Space.Host for k in kept])
         return kept
     shapes = jax.eval_shape(f, lay, x_shape, mb, scales)
-    return probe["tree"], probe["where"], shapes, probe["host"]
+    tree, where, host = probe["tree"], probe["where"], probe["host"]
+    rows = x_shape.shape[0]
+    wide = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * rows, *a.shape[1:]), a.dtype),
+                        (x_shape, mb))
+    twice = jax.eval_shape(f, lay, *wide, scales)
+    at = [next((i for i, (a, b) in enumerate(zip(s.shape, t.shape)) if a == rows and b == 2 * a),
+               None) for s, t in zip(shapes, twice)]
+    return tree, where, shapes, host, at
 
 
 def _store(kept, vjp, lay, slots):
     """The forward's residuals, the stage's own weights left out, into slot-sized values (a
     shorter stage fills the first rows of a longer stage's slots)."""
-    _, where, _, _ = kept
+    where = kept[1]
     leaves = [leaf for leaf, w in zip(jax.tree.leaves(vjp), where) if w is None]
     return [v if v.shape == s.shape else s.at[:v.shape[0]].set(v) for v, s in zip(leaves, slots)]
 
 
 def _rebuild(kept, lay, res, slots):
     """The forward's vjp from the residual slots and the stage's weights."""
-    tree, where, shapes, _ = kept
+    tree, where, shapes = kept[:3]
     kept_iter = iter(r if r.shape == s.shape else r[:s.shape[0]] for r, s in zip(res, shapes))
     weights = jax.tree.leaves(lay)
     leaves = [weights[w] if w is not None else next(kept_iter) for w in where]
