@@ -27,10 +27,11 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
   accumulation: the accumulator; host offload: one streamed piece, a layer's state and update,
   `offload.memory`). The update writes the donated state in place (its non-finite guard is a
   `lax.cond`, `train.step.update_if_finite`), so no copy of the state is kept.
-On XLA:CPU activations, gradients and temporaries of 16-bit models are f32-sized
-(`Hardware.native_16bit`). The constants were read from XLA:CPU buffer assignments (jax 0.10);
-`docs/planner.md` gives the predicted-vs-compiled table (temp within 15% on 56 of the 58 cpu8
-plans).
+On XLA:CPU activations, gradients and temporaries of bfloat16 models are f32-sized, float16's
+2 bytes but for the results of collectives, which XLA:CPU computes in f32 (`Hardware.held_16bit`,
+`native_16bit`: a layer's all-reduced gradients, FSDP's gathered layer). The constants were
+read from XLA:CPU buffer assignments (jax 0.10); `docs/planner.md` gives the predicted-vs-compiled
+table (temp within 15% on 56 of the 58 cpu8 plans).
 
 The XLA view (`argument`, `output`, `temp`, `alias`) is what `compiled.memory_analysis()` reports:
 arguments are the device-resident state and the batch, outputs the new state (aliased to the
@@ -110,9 +111,10 @@ def model_terms(spec, full) -> list[Term]:
     # kept whole over dp until the update, each layer's gradients are all-reduced into the stack
     # inside the backward loop: one layer's reduced copy beside the stack (dp8, fp32: the compiled
     # temp grows by a layer's gradients and this copy per layer, 2-6 layers; a mixture of experts
-    # peaks in its MoE layer: `ep.memory`)
+    # peaks in its MoE layer: `ep.memory`), as the all-reduce returns it (XLA:CPU reduces a
+    # float16 gradient in f32: dp8 fp16, the compiled temp within 1% with it at 4 bytes, 0.89 at 2)
     reduced = (zero.grads_whole(spec) and not (spec.moe and spec.model.scan_layers)) \
-        * zero.stored_layer_bytes(spec)
+        * zero.stored_layer_bytes(spec, spec.wire_param_itemsize)
     return [
         Term("backward", reduced, "one layer's gradients all-reduced inside the layer loop"),
         Term("backward", grads, "local gradient buffer"),

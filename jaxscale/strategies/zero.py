@@ -84,11 +84,12 @@ def grad_buffer(spec) -> float:
     return (sh.grads if gather_axes(spec) else sh.params) * spec.held_param_itemsize
 
 
-def stored_layer_bytes(spec) -> float:
+def stored_layer_bytes(spec, itemsize: int | None = None) -> float:
     """One stored layer's parameters on this device as the step holds them (its rows of the
-    stacked layers; a weight-sized buffer the planner's terms count in layers)."""
+    stacked layers; a weight-sized buffer the planner's terms count in layers), at `itemsize`
+    bytes an element (default `held_param_itemsize`)."""
     return sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.stacked) \
-        / spec.stored_layers * spec.held_param_itemsize
+        / spec.stored_layers * (itemsize or spec.held_param_itemsize)
 
 
 def grads_whole(spec) -> bool:
