@@ -196,7 +196,7 @@ def memory(spec) -> list[Term]:
         what = ("the layer's expert gradients, scattered together" if experts >= unreduced
                 else "its largest weight's unreduced gradient")
     # the gathered layer as the all-gather returns it (XLA:CPU gathers float16 in f32: fsdp8
-    # fp16, the compiled temp 0.88 of the planner's with it at 2 bytes, 1.03 at 4), the
+    # fp16, the planner at 0.88 of the compiled temp with it at 2 bytes, 1.00 at 4), the
     # gradient as the backward holds it
     return [Term("backward", layer * spec.wire_param_itemsize + unreduced
                  * spec.held_param_itemsize, f"one gathered layer and {what}")]
