@@ -177,9 +177,11 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
     from jaxscale.analysis import sweep
     row = {"failure": "memory", "options": ["fp16", "tp"], "mesh": {"pp": 1},
            "shape": {"model.n_layers": 4}, "temp": 1.27}
-    assert sweep.cause(row) == "undiagnosed"      # fixed causes leave the list (float16's)
+    assert sweep.cause(row) == "undiagnosed"
     assert sweep.cause({**row, "options": ["fp16", "accumulation"], "temp": 0.8}) == \
-        "float16 micro-batches on XLA:CPU"
+        "undiagnosed"       # fixed causes leave the list (float16 micro-batches')
+    assert sweep.cause({**row, "options": ["fp16", "2:4 pruning"], "mesh": {"pp": 1, "tp": 4},
+                        "temp": 0.8}) == "float16 with tp and pruning on XLA:CPU"
     row = {**row, "failure": "memory", "options": ["pp 1F1B"], "mesh": {"pp": 2},
            "shape": {"model.n_layers": 5}, "temp": 0.8}
     assert sweep.cause(row) == "undiagnosed"      # fixed causes leave the list (uneven stages')
