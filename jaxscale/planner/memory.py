@@ -23,6 +23,8 @@ Temporaries are the peak of two phases of the compiled step, as XLA schedules it
   and the unreduced gradients XLA holds before scattering them, one weight's, a MoE layer's
   grouped experts', or the layer's under full remat and the zero-bubble schedules' W pass;
   a mixture of experts: its MoE layer's, `ep.memory`; accumulation: the fp32 accumulator);
+- mean (a strategy's own gradient mean in the data region, after the backward): the gradient
+  buffer it reads + the method's buffers (`compression.memory`: the 8-bit means' fp32 buckets);
 - update: the gradient buffer + the strategies' (ZeRO-1: the all-reduced gradients;
   accumulation: the accumulator; host offload: one streamed piece, a layer's state and update,
   `offload.memory`). The update writes the donated state in place (its non-finite guard is a
@@ -140,7 +142,8 @@ def estimate(spec) -> Memory:
     full = remat.activations(spec, "none")   # one layer's activations without remat
     terms = model_terms(spec, full) + plan_lib.memory_terms(spec)
     row = {r: sum(t.bytes for t in terms if t.row == r) for r in
-           ("params", "master", "grads", "optimizer", "activations", "backward", "update")}
+           ("params", "master", "grads", "optimizer", "activations", "backward", "mean",
+            "update")}
     host: dict[str, float] = {}
     disk: dict[str, float] = {}
     for t in terms:
@@ -152,8 +155,9 @@ def estimate(spec) -> Memory:
                                                  # along the sequence (sp.batch_seq_axis)
     counters = 3 * 4                            # step, Adam's count, the learning rate's count
     backward = row["backward"] + acts
+    mean = row["mean"] + zero.grad_buffer(spec) if row["mean"] else 0.0
     update = row["update"]
-    temp = max(backward, update)
+    temp = max(backward, mean, update)
     temporaries = temp - row["grads"] - acts
     state = row["params"] + row["master"] + row["optimizer"] + counters
     # the host-driven offload tiers keep their store outside the compiled program
@@ -169,4 +173,4 @@ def estimate(spec) -> Memory:
                   optimizer=row["optimizer"], activations=acts, temporaries=temporaries,
                   batch=batch + counters, host=host, disk=disk, xla=xla,
                   layer=dict(full.tensors), in_flight=pp.in_flight(spec),
-                  phases={"backward": backward, "update": update}, terms=terms)
+                  phases={"backward": backward, "mean": mean, "update": update}, terms=terms)

@@ -35,10 +35,13 @@ def format_prediction(pred) -> str:
         lines.append(f"  disk {k:<9}{nbytes(v):>12}")
     ph = mem.phases
     if ph:
-        which = "backward" if ph["backward"] >= ph["update"] else "optimizer update"
+        which = {"backward": "backward", "mean": "gradient mean",
+                 "update": "optimizer update"}[max(ph, key=ph.get)]
+        mean = (f"; gradient mean {nbytes(ph['mean'])} of gradients and the method's buffers"
+                if ph.get("mean") else "")
         lines.append(f"  (peak in the {which}: backward {nbytes(ph['backward'])} of gradients, "
-                     f"activations and working set; update {nbytes(ph['update'])} of gradients "
-                     f"and the optimizer-moment copies XLA keeps)")
+                     f"activations and working set{mean}; update {nbytes(ph['update'])} of "
+                     f"gradients and the optimizer-moment copies XLA keeps)")
     if mem.in_flight != 1:
         lines.append(f"  (activations of {mem.in_flight:g} micro-batches in flight)")
     lines += ["", "communication per device per step:",

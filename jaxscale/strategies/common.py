@@ -41,10 +41,11 @@ class Comm:
 
 
 #: rows of the memory ledger: device-resident state, saved activations, the temporaries of the
-#: backward and of the update phase (the compiled temp is the larger), host-resident bytes, and
-#: bytes on disk (the nvme offload tier's files)
-ROWS = ("params", "master", "grads", "optimizer", "activations", "backward", "update", "host",
-        "disk")
+#: backward, of a strategy's own gradient mean after it (beside the gradients it reads) and of the
+#: update phase (the compiled temp is the largest), host-resident bytes, and bytes on disk (the
+#: nvme offload tier's files)
+ROWS = ("params", "master", "grads", "optimizer", "activations", "backward", "mean", "update",
+        "host", "disk")
 
 
 @dataclass(frozen=True)

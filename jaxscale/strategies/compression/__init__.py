@@ -121,10 +121,21 @@ def mean_collectives(spec, shapes) -> list[Comm]:
 
 def memory(spec) -> list[Term]:
     """The error-feedback residual: one fp32 copy of the gradients per device (sign: plus the
-    residual of its shard of the mean; PowerSGD: plus its Q matrices)."""
-    if not active(spec) or spec.compression not in STATEFUL:
+    residual of its shard of the mean; PowerSGD: plus its Q matrices). The 8-bit block-scaled
+    means (int8, fp8) hold two fp32 buckets of a device's gradients beside the gradients they
+    read, after the backward and before the update (its own phase: with the optimizer offloaded
+    they are freed before its streamed pieces): the gradients flattened to be quantised, and the
+    dequantized mean (dp8: the compiled temp 3.00-3.01 gradient buffers on 2 and 4 layers,
+    vocabularies 320 and 2048, where the backward peaks lower; the planner at 0.63-0.77 of it
+    without them)."""
+    if not active(spec):
         return []
     size = sum(math.prod(s) for s in _sizes(spec))
+    if spec.compression in ("int8", "fp8") and spec.local_sgd == "none":
+        return [Term("mean", 2 * 4 * size, f"the {spec.compression} mean's fp32 buckets: the "
+                     "gradients flattened and the dequantized mean")]
+    if spec.compression not in STATEFUL:
+        return []
     extra = size / spec.deg("dp") if spec.compression == "sign" else 0
     if spec.compression == "powersgd":
         extra = sum(math.prod(s[:-2]) * s[-1] * spec.compression_rank for s in _sizes(spec)
