@@ -178,9 +178,10 @@ def test_report_schema():
 def test_float16_on_cpu_is_counted_as_bf16_is():
     """XLA:CPU widens bf16 collectives to f32 but carries float16 ones as they are (and moves
     some converts across them): the census counts f16 at 4 bytes under a float16 policy
-    (`inspect.cpu_widened`), so an fp16 plan moves what its bf16 twin moves, row by row, and
+    (`precision.cpu_widened`), so an fp16 plan moves what its bf16 twin moves, row by row, and
     both are their formula's. Counted as moved, fp16's dp all-reduce is ~0.6 of it."""
     from jaxscale import plan
+    from jaxscale.strategies import precision
     from jaxscale.train.setup import build
     rows = {}
     for p in ("bf16", "fp16"):
@@ -191,7 +192,7 @@ def test_float16_on_cpu_is_counted_as_bf16_is():
             assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=0.02), (p, r)
     assert rows["fp16"] == rows["bf16"]
     setup = build(tiny_config(*PLANS["dp2xfsdp2xtp2"], "plan.precision=fp16"))
-    assert inspect.cpu_widened(setup.placement.spec) == ("f16",)
+    assert precision.cpu_widened(setup.placement.spec) == ("f16",)
     text = setup.lower_train_step().compile().as_text()
     raw = {(r["kind"], tuple(r["axes"])): r["bytes"] for r in inspect.census(
         text, setup.placement.mesh, plan.branch_share(setup.placement.spec))}

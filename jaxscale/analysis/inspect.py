@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxscale.analysis import hlo, hlo_flops
 from jaxscale.cost import busbw_factor
 from jaxscale.strategies.common import Comm
-from jaxscale.strategies.precision import cpu_widened  # noqa: F401  (the census's rule)
+from jaxscale.strategies.precision import cpu_widened
 
 
 def axes_of_group(group, mesh: Mesh) -> tuple[str, ...]:

@@ -182,7 +182,7 @@ SITE_TAG = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
 
 def replays(policy: str, sites) -> bool:
     """Whether the policy's replayed forward recomputes any of these sites' matmuls."""
-    return policy not in ("", "none") and parse(policy) != "none" and any(
+    return parse(policy) != "none" and any(
         actions(policy)[SITE_TAG[s]] == "remat" for s in sites if s in SITE_TAG)
 
 

@@ -93,7 +93,8 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
             if split:
                 ops.trace(block(0, rows), x_shape, mb0)
             kept = {} if forward_only else {n: _residuals(ops, block(0, n), x_shape, mb0,
-                                                          scales_of(0, n)) for n in lengths}
+                                                          scales_of(0, n), rows_dim=n == rows)
+                                            for n in lengths}
         zeros = lambda n, s: jnp.zeros((n, *s.shape), s.dtype)                # noqa: E731
         rules = current(mesh, placement.rules)[1]
         along = rules.spec(("batch", "norm_seq", "embed"))
@@ -301,13 +302,13 @@ def _slots(n, shape, host: bool, layout, at):
     return jax.device_put(z, jax.memory.Space.Host) if host else z
 
 
-def _residuals(ops, lay, x_shape, mb, scales):
+def _residuals(ops, lay, x_shape, mb, scales, rows_dim: bool = False):
     """(residual tree structure, for each residual the weight leaf it is or None, the shapes of
     the ones kept in slots, whether each is in host memory, the dimension of each that holds the
-    micro-batch's rows or None) of a stage of these layers. The rows dimension is the one that
-    doubles with the micro-batch (traced again at twice its rows): read from the shapes alone it
-    is ambiguous where another dimension has as many entries (a kv head's query group, the
-    stage's layers)."""
+    micro-batch's rows or None) of a stage of these layers. The rows dimension (`rows_dim`: for
+    the stage length the slots are shaped by; else None each) is the one that doubles with the
+    micro-batch (traced again at twice its rows): read from the shapes alone it is ambiguous
+    where another dimension has as many entries (a kv head's query group, the stage's layers)."""
     probe = {}
 
     def f(lay, x, mb, scales):
@@ -322,6 +323,8 @@ def _residuals(ops, lay, x_shape, mb, scales):
         return kept
     shapes = jax.eval_shape(f, lay, x_shape, mb, scales)
     tree, where, host = probe["tree"], probe["where"], probe["host"]
+    if not rows_dim:
+        return tree, where, shapes, host, [None] * len(shapes)
     rows = x_shape.shape[0]
     wide = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * rows, *a.shape[1:]), a.dtype),
                         (x_shape, mb))
