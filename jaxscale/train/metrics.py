@@ -8,6 +8,8 @@ from pathlib import Path
 
 import jax
 
+from jaxscale.train.tb_events import EventWriter
+
 
 class MetricsWriter:
     """metrics.jsonl (one object per line) and TensorBoard event files in the run directory.
@@ -28,8 +30,7 @@ class MetricsWriter:
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
                 os.replace(tmp, path)
             self._jsonl = open(path, "a" if resume_step is not None else "w")
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(out / "tb"), purge_step=(
+            self._tb = EventWriter(out / "tb", purge_step=(
                 resume_step + 1 if resume_step is not None else None))
 
     def write(self, row: dict) -> None:
@@ -37,9 +38,8 @@ class MetricsWriter:
             return
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self._tb.add_scalar(k, v, row["step"])
+        self._tb.scalars(row["step"], {k: v for k, v in row.items()
+                                       if k != "step" and isinstance(v, (int, float))})
 
     def close(self) -> None:
         if self._jsonl is not None:
