@@ -62,6 +62,20 @@ def test_census_matches_the_planner(name, kind, per_layer):
     assert sum(c["count"] for c in rows) == per_layer * hops * L * k, rows
 
 
+def test_bf16_megatron_sp_with_micro_batches_compiles_and_moves_its_formula():
+    """XLA:CPU widens 16-bit reductions to f32 and aborted on SP's reduce-scatters inside the
+    accumulation loop (their reducer ends in a copy): they are summed in f32 before the pass
+    (`tp.seq`), so the plan compiles, its tp collectives the formula's at 4 bytes."""
+    cfg = tiny_config("mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", "plan.sequence_parallel=true",
+                      "plan.precision=bf16", "plan.accumulate=2", *KV8)
+    rep = inspect.report(cfg)
+    cmp = validation.compare(planner.predict(cfg), rep, backend="cpu")
+    for r in cmp["collectives"]:
+        assert r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.02, r
+    assert any(c["kind"] == "reduce-scatter" and c["axes"] == ["tp"]
+               for c in rep["collectives"])
+
+
 def test_megatron_sp_turns_tp_all_reduces_into_gathers_and_shrinks_temp():
     tp = tiny_config("mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", *KV8)
     sp = tiny_config(*MEGATRON_SP, *KV8)

@@ -99,11 +99,6 @@ KNOWN = [
      "compiled temp); on tp4 with Megatron SP the compiled temp holds 140-170 kB the planner "
      "lacks in fp32 and fp16 alike (dp2 x tp4: 0.95 fp32 with collective matmul, 0.90 fp16), "
      "which with pruning's unmasked weights and fp16's smaller total falls past 15% (0.80-0.82)"),
-    ("XLA:CPU aborts", lambda r: r["failure"] == "crash" and "bf16" in r["options"]
-     and "Megatron SP" in r["options"],
-     "XLA:CPU's compiler aborts (hlo_instruction.cc: \"Invalid binary instruction opcode "
-     "copy\") on bf16 plans with Megatron SP and micro-batches (seed 1128, dp2 x tp4: in fp32, "
-     "with one micro-batch or without SP it compiles)"),
 ]
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.axes import active, entry_axes, manual, on_shards
 from jaxscale.hooks.projection import SCALES, layer_input, project, this_layer
 from jaxscale.strategies import remat
+from jaxscale.strategies.tp.seq import gather_seq
 
 AXIS = "tp"
 
@@ -71,9 +72,8 @@ def columns(eq, x, ws, sites, names, mesh, rules):
             if not seq:
                 x_local = x_local[0]
             if seq:          # the sequence gathered over tp on each device's own shard
-                x_local = on_shards(lambda v: jax.lax.all_gather(v, AXIS, axis=seq[0],
-                                                                 tiled=True),
-                                    x_local, active()[1].spec(names[0][0]))
+                x_local = on_shards(lambda v: gather_seq(v, seq[0]), x_local,
+                                    active()[1].spec(names[0][0]))
             return tuple(project(eq, x_local, w, s, n) for w, s, n in zip(w_local, sites, names))
 
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,

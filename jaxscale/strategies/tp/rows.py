@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.axes import active, current, entry_axes, manual, manual_axes, on_shards
+from jaxscale.strategies.tp.seq import scatter_seq
 
 AXIS = "tp"
 
@@ -80,9 +81,7 @@ def row(eq, x, w, names, mesh, rules, inner):
     def body(x_local, w_local):
         with manual(axes):
             y = inner(x_local, w_local)                          # partial sums over tp
-            return on_shards(lambda v: jax.lax.psum_scatter(v, AXIS, scatter_dimension=seq,
-                                                            tiled=True),
-                             y, active()[1].spec(names[2]))
+            return on_shards(lambda v: scatter_seq(v, seq), y, active()[1].spec(names[2]))
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=o_spec,
                          axis_names=set(axes), check_vma=False)(x, w)
 
