@@ -192,9 +192,9 @@ def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
     out.initial = _weights(state, cfg, setup)
     for i in range(steps):
         state, m = compiled(state, batches.device_batch(i, setup.batch_shardings()))
+        m = jax.device_get(m)
         if "grads" in m:        # at the model's true vocabulary, as one device holds it
             m["grads"] = disk.to_disk(m["grads"], cfg.model.vocab_size, setup.layout.layer_order)
-        m = jax.device_get(m)
         out.losses.append(float(m.pop("loss")))
         out.grads.append(m.pop("grads", None))      # None: a step of its own (local SGD)
         out.metrics.append({k: float(v) for k, v in m.items()})
@@ -205,8 +205,8 @@ def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
 def _weights(state, cfg, setup):
     """The fp32 weights (the master when the policy keeps one) in the model's layout."""
     weights = state.master if state.master is not None else state.params
-    return jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(
-        disk.to_disk(weights, cfg.model.vocab_size, setup.layout.layer_order)))
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), disk.to_disk(
+        jax.device_get(weights), cfg.model.vocab_size, setup.layout.layer_order))
 
 
 #: the least mean move of the weights, in learning rates, by optimizer: AdamW's first step

@@ -17,8 +17,11 @@ the plan's stored order, None for the model's).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,20 +109,28 @@ def layers_moved(state, saved, wanted):
 
 def to_disk(state, vocab_size: int, layer_order: list[int] | None = None):
     """`state` with its vocabulary trimmed to `vocab_size` and its layers in the model's order
-    (what a checkpoint saves)."""
+    (what a checkpoint saves). Host (numpy) leaves are moved and trimmed in numpy."""
     state = layers_moved(state, layer_order, None)
     padded = padded_size(state)
     if padded is None or padded == vocab_size:
         return state
-    target = disk_abstract(jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state),
-        vocab_size)
+    target = disk_abstract(jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=getattr(a, "sharding", None)), state), vocab_size)
 
-    def trim(tree):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, a: a if (d := _dim(path, a.shape, padded)) is None
-            else jax.lax.slice_in_dim(a, 0, vocab_size, axis=d), tree)
-    return jax.jit(trim, out_shardings=jax.tree.map(lambda a: a.sharding, target))(state)
+    def trim(path, a, want):
+        d = _dim(path, a.shape, padded)
+        if d is None:
+            return a
+        if isinstance(a, np.ndarray):           # on the host: numpy's own
+            return np.take(a, np.arange(vocab_size), axis=d)
+        return _trimmer(d, vocab_size, want.sharding)(a)
+    return jax.tree_util.tree_map_with_path(trim, state, target)
+
+
+@functools.lru_cache(maxsize=256)
+def _trimmer(dim: int, size: int, sharding):
+    """The compiled trim of an eager array's vocabulary, one per (dimension, sharding)."""
+    return jax.jit(lambda a: jax.lax.slice_in_dim(a, 0, size, axis=dim), out_shardings=sharding)
 
 
 def from_disk(state, abstract_state, layer_order: list[int] | None = None):

@@ -211,7 +211,7 @@ def reorder(tree, saved: list[int] | None, wanted: list[int] | None, axis: int =
     key, along `axis`) with its layers moved from the stored order `saved` to `wanted`
     (`layer_order`s; None: the model's order without padding): rows of `wanted` that are padding
     (-1) come out zero. Traceable; eagerly, each array keeps its sharding (resized along the
-    layers when the padding differs)."""
+    layers when the padding differs); a numpy array stays one."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -228,19 +228,35 @@ def reorder(tree, saved: list[int] | None, wanted: list[int] | None, axis: int =
         if a.ndim <= axis or a.shape[axis] != len(saved):
             raise ValueError(f"a stacked-layer array of shape {a.shape} has no {len(saved)} "
                              f"stored rows along axis {axis}")
-
-        def f(a):
-            out = jnp.take(a, take, axis=axis)
-            if keep.all():
-                return out
-            mask = jnp.asarray(keep).reshape((-1,) + (1,) * (a.ndim - 1 - axis))
-            return jnp.where(mask, out, jnp.zeros_like(out))
         shape = a.shape[:axis] + (len(wanted),) + a.shape[axis + 1:]
+        if isinstance(a, np.ndarray):           # on the host: numpy's own
+            return _rows_moved(np, a, take, keep, axis)
         if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-            return jax.jit(f, out_shardings=fit(a.sharding, shape))(a)
-        return f(a)
+            return _mover(tuple(take.tolist()), tuple(keep.tolist()), axis,
+                          fit(a.sharding, shape))(a)
+        return _rows_moved(jnp, a, take, keep, axis)
     return jax.tree_util.tree_map_with_path(
         lambda path, a: move(a) if is_layers(path) else a, tree)
+
+
+def _rows_moved(xp, a, take, keep, axis: int):
+    """Rows `take` of `a` along `axis`, zero where not `keep` (numpy or jax.numpy as `xp`)."""
+    import numpy as np
+    out = xp.take(a, np.asarray(take), axis=axis)
+    if all(keep):
+        return out
+    mask = xp.asarray(np.asarray(keep)).reshape((-1,) + (1,) * (a.ndim - 1 - axis))
+    return xp.where(mask, out, xp.zeros_like(out))
+
+
+@functools.lru_cache(maxsize=256)
+def _mover(take: tuple, keep: tuple, axis: int, sharding):
+    """The compiled move of eager arrays, one per (rows, sharding): a checkpoint's save and
+    restore and the harness move every stacked leaf at each call."""
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(functools.partial(_rows_moved, jnp, take=take, keep=keep, axis=axis),
+                   out_shardings=sharding)
 
 
 def is_layers(path) -> bool:
