@@ -55,6 +55,19 @@ def test_the_plan_itself_passes(reference):
     numerics.assert_matches(numerics.run(DP8), reference)
 
 
+def test_gradients_at_given_weights_are_the_steps_own(reference):
+    """`at_weights` (the generated layouts' comparison after the first update) runs the
+    reference's compiled step at weights it is handed: at the weights it had before update 1
+    it gives that update's gradients to the bit; at the weights after update 1 it does not."""
+    from jaxscale.analysis import harness
+    again = harness.at_weights(reference, reference.params[0], 1)
+    for _, a, b in harness._leaves(again, reference.grads[1]):
+        assert (a == b).all()
+    later = harness.at_weights(reference, reference.params[1], 1)
+    assert max(float(abs(a - b).max() / abs(b).max())
+               for _, a, b in harness._leaves(later, reference.grads[1])) > 1e-3
+
+
 def test_a_dropped_reduction_fails(monkeypatch, reference):
     got = _with_mean(monkeypatch, lambda g, state, batch: (g, state))   # each device's own
     with pytest.raises(AssertionError, match="differs from one device"):

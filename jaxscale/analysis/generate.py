@@ -12,7 +12,8 @@ refusal other than the composition table's principled ones (`composition.REASONS
 `check(case)` runs the case as the tests prove a strategy (`tests/README.md`):
 1. numerics: 3 real AdamW updates against a reference (`reference`: one device with the options
    that change the arithmetic; local SGD's replicas of one device each), within the tolerance
-   the options' methods allow (`tolerance`: their error bounds summed);
+   the options' methods allow (`tolerance`: their error bounds summed), each later update's
+   gradients against the reference's at the plan's own weights (`harness.at_weights`);
 2. the census row by row against the plan's formulas, compiled temp and argument memory against
    the planner, matmul FLOPs against the formula (`validation.compare`'s tolerances).
 A failure names its class and the `jaxscale train` line that reproduces it.
@@ -232,7 +233,7 @@ def check(case: Case) -> Result:
         got = harness.run(case.overrides(), steps=steps)
         ref_ov, n = reference(case)
         ref = harness.run(ref_ov, jax.devices()[:n], steps=steps)
-        bad, res.numerics = harness.problems(got, ref, tolerance(case))
+        bad, res.numerics = harness.problems(got, ref, tolerance(case), same_weights=True)
         cmp = validation.compare(planner.predict(cfg), inspect.report(cfg))
     except Exception as e:      # noqa: BLE001 - a case that does not build is a result too
         res.failure = "error"
