@@ -65,6 +65,19 @@ def test_fp8_history_is_one_devices_on_every_layout(layout, one_device_amaxes):
                                rtol=numerics.QAT_FP8.grads)
 
 
+@pytest.mark.parametrize("mesh", [DP8, ("mesh.dp=2", "mesh.ep=2", "mesh.fsdp=2", "mesh.tp=1")])
+def test_fp8_history_of_the_experts_is_one_devices(mesh):
+    """The experts' grouped matmuls record the MLP slots' amaxes from inside the dispatch's
+    region, maxima over all its devices: its transpose passes them out as they are. Averaging
+    them there, as a region summing its replicated input's cotangent needs, recorded 1/8 of
+    them on dp8 (1/n of the region's devices), which scaled the next step's expert operands
+    and gradients 8x too fine (saturated: gradients 0.99 of their largest off)."""
+    moe = ("model.moe_experts=4", "plan.qat=fp8", "data.batch_size=16")
+    want = first_amaxes(*MESH_1, *moe, devices=jax.devices()[:1])
+    got = first_amaxes(*mesh, *moe)
+    np.testing.assert_allclose(got, want, rtol=numerics.QAT_FP8.grads)
+
+
 @pytest.mark.parametrize("layout,shared", [("dp8", FP8_ACC),
                                            ("dp2 x fsdp2 x tp2", ("plan.qat=fp8",))])
 def test_fp8_matches_one_device(layout, shared):

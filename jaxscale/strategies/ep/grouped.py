@@ -73,8 +73,6 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale.strategies.tp.columns import averaged
-
     opts = rules.options["experts"]                  # the plan's (`ep.rules`)
     factor, dispatch = opts["buffer"], opts["dispatch"]
     ex = rules.table.get("experts", ())
@@ -146,9 +144,11 @@ def grouped(mesh, rules, parts, x_BTD, idx_BTK, w_BTK, weights, capacity):
         ends = jnp.cumsum(groups, axis=1)                                      # [Q, El]
         local = jnp.sum(j[None, :, None] >= ends[:, None, :], axis=-1)         # [Q, S]
         perm = jnp.argsort(local.reshape(-1), stable=True)     # by expert; padding (El) last
-        # the experts' matmul hook sees the rows and weights as pieces over the region's axes
-        # (fp8 QAT's per-tensor amaxes), and the layer's scales averaged back out of it
-        with manual(region), this_layer(SCALES, None if sc is None else averaged(sc, region)):
+        # the experts' matmul hook sees the rows and weights as pieces over the region's axes:
+        # fp8 QAT's per-tensor amaxes, the scales' cotangent, are maxima over all of them, the
+        # same on every device (not varying), which this region's transpose (it checks what
+        # varies) passes out as they are: one device's, not a sum to average
+        with manual(region), this_layer(SCALES, sc):
             ys = parts.ffn(rows.reshape(Q * S, D)[perm], jnp.sum(groups, axis=0), wg, wu, wd)
         back = ys[jnp.argsort(perm)].reshape(Q, S, D)
         if gather_tp:
