@@ -173,11 +173,13 @@ def _saves_products(spec) -> bool:
 def _on_shards(spec, leaf) -> bool:
     """Whether 8-bit QAT quantises the weight on its shards (`on_shards`) under GSPMD, and these are
     split over the gather axes (else fsdp's gather, if any, is of whole layers, in the compute
-    dtype)."""
+    dtype; under ZeRO++ its gather seam's, in its own format: the weight arrives whole,
+    `arrives_gathered`)."""
+    from jaxscale.strategies import zeropp
     from jaxscale.strategies.zero import gather_axes
     split = set(_gathered_over(spec, leaf, True) + _gathered_over(spec, leaf, False))
     return (spec.qat in ("int8", "fp8") and spec.tp_overlap == "none"
-            and "experts" not in leaf.axes
+            and "experts" not in leaf.axes and not zeropp.active(spec)
             and split == set(gather_axes(spec))
             and not (spec.remat not in ("none", "") and leaf.path.split("/")[-1]
                      in _columns(spec)))
