@@ -15,12 +15,14 @@ fp32 all-reduce), or `plan.compression`'s compressed one.
 
 Collectives per step (N = dp): all-gather of N R int32 ids (4 N R bytes) and of N R D_local fp32
 rows (4 N R D_local bytes), in place of the embedding's all-reduce (4 V D_local / tp bytes); the
-other gradients' all-reduce; the loss and token count. Link bytes per device: (N - 1) R (D_local +
-1) 4 against the all-reduce's 2 (N - 1)/N V_local D_local 4, so the exchange pays while R (D + 1) <
-2 V D / N, roughly B_dp T < 2 V / N: large vocabularies, short batches per replica (recommender
-tables, LLM vocabularies of 128K+ with a few thousand tokens per replica). Beyond that the dense
-all-reduce costs less (an all-gather does not shrink with N). Costs: the gathered rows, 4 N R
-(D_local + 1) bytes of temporaries, and a sort (`jnp.unique`) of the replica's B_dp x T ids.
+other gradients' all-reduce; the loss and token count; where fsdp or ep split the batch too, the ids
+of the replica's rows gathered over them (4 B_dp T bytes), which the mean's region reads. Link bytes
+per device: (N - 1) R (D_local + 1) 4 against the all-reduce's 2 (N - 1)/N V_local D_local 4, so the
+exchange pays while R (D + 1) < 2 V D / N, roughly B_dp T < 2 V / N: large vocabularies, short
+batches per replica (recommender tables, LLM vocabularies of 128K+ with a few thousand tokens per
+replica). Beyond that the dense all-reduce costs less (an all-gather does not shrink with N). Costs:
+the gathered rows, 4 N R (D_local + 1) bytes of temporaries, and a sort (`jnp.unique`) of the
+replica's B_dp x T ids.
 
 Needs an untied embedding (a tied table is also the LM head, whose gradient is dense in every
 row, so there is nothing sparse to exchange) and a gradient mean to replace (local SGD averages
@@ -91,6 +93,11 @@ def collectives(spec) -> list[Comm]:
                 f"embedding gradient: {R} touched row ids (int32) and rows (fp32) per device"
                 + (f", once per micro-batch ({runs})" if runs > 1 else ""),
                 group=n, overlap=True)]
+    others = tuple(a for a in spec.data_axes if a != "dp")
+    if others:      # its mean reads the token ids of its dp shard's rows, gathered over the rest
+        out.append(Comm("all-gather", others, 4 * spec.batch / n * spec.seq, runs,
+                        "the token ids of the dp shard's rows, for its touched rows",
+                        group=math.prod(spec.deg(a) for a in others)))
     if spec.compression != "none":
         return out            # the other gradients: compression's rows
     rest = sum(leaf.local_size(spec) for leaf in leaves(spec.model) if leaf.use != "embedding")

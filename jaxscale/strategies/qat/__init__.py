@@ -122,16 +122,26 @@ def rules(spec, rules) -> None:
 
 
 def collectives(spec) -> list[Comm]:
-    """int8 only (fp8's scalar amax all-reduces are left out). Under tp: the per-token scales of
-    wo's and w_down's inputs, and those weights' per-channel scales, are maxima over their
-    contracted axes (heads and mlp), which tp splits: per layer one fp32 all-reduce(max) of the
-    local tokens and one of the local channels for each, in the forward. Where a weight is
-    quantised on its shards before fsdp's gather (`on_shards`, or collective matmul's ring) and
-    the gather axes split its contraction (the column-parallel weights' `embed`): its
-    per-channel scales all-reduced (max) over those axes, once per forward run (micro-batch,
-    and remat replay of its matmul)."""
-    if not active(spec) or spec.qat != "int8":
+    """fp8: its scalar amax all-reduces are left out (`validation.scalar_bytes`), but in a data
+    region (`common.sync_axes`) the step's amaxes leave it as one [layers, slots] fp32 array,
+    combined (max) over the region's axes once per run of it (`dp.region`). int8: under tp: the per-
+    token scales of wo's and w_down's inputs, and those weights' per-channel scales, are maxima over
+    their contracted axes (heads and mlp), which tp splits: per layer one fp32 all-reduce(max) of
+    the local tokens and one of the local channels for each, in the forward. Where a weight is
+    quantised on its shards before fsdp's gather (`on_shards`, or collective matmul's ring) and the
+    gather axes split its contraction (the column-parallel weights' `embed`): its per-channel scales
+    all-reduced (max) over those axes, once per forward run (micro-batch, and remat replay of its
+    matmul)."""
+    if not active(spec):
         return []
+    if spec.qat == "fp8":
+        from jaxscale.strategies.common import sync_axes
+        from jaxscale.strategies.dp import mean_runs
+        region = tuple(a for a in sync_axes(spec) if spec.deg(a) > 1)
+        runs = mean_runs(spec)
+        return [Comm("all-reduce", region, 4 * spec.model.n_layers * N_SLOTS * runs, runs,
+                     "fp8 QAT: the step's amaxes over the data region (max)",
+                     group=math.prod(spec.deg(a) for a in region))] if region else []
     from jaxscale.strategies.qat.layout import int8_scale_collectives
     return int8_scale_collectives(spec)
 
