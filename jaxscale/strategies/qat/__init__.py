@@ -124,10 +124,10 @@ def rules(spec, rules) -> None:
 def collectives(spec) -> list[Comm]:
     """fp8: its scalar amax all-reduces are left out (`validation.scalar_bytes`), but in a data
     region (`common.sync_axes`) the step's amaxes leave it as one [layers, slots] fp32 array,
-    combined (max) over the region's axes once per run of it (`dp.region`). int8: under tp: the per-
-    token scales of wo's and w_down's inputs, and those weights' per-channel scales, are maxima over
-    their contracted axes (heads and mlp), which tp splits: per layer one fp32 all-reduce(max) of
-    the local tokens and one of the local channels for each, in the forward. Where a weight is
+    combined (max) over the region's axes once per run of it (`dp.region`). int8: under tp: the
+    per-token scales of wo's and w_down's inputs, and those weights' per-channel scales, are maxima
+    over their contracted axes (heads and mlp), which tp splits: per layer one fp32 all-reduce(max)
+    of the local tokens and one of the local channels for each, in the forward. Where a weight is
     quantised on its shards before fsdp's gather (`on_shards`, or collective matmul's ring) and the
     gather axes split its contraction (the column-parallel weights' `embed`): its per-channel scales
     all-reduced (max) over those axes, once per forward run (micro-batch, and remat replay of its
