@@ -126,7 +126,11 @@ def collectives(spec) -> list[Comm]:
                                    "gradients again: its tape keeps them split (1/t)"
                                    if again else ""),
                       group=t, minimum=(6 * L * k - 3 * g) * act)]
-        rows = [] if spec.tp_overlap != "none" else block   # collective matmul: ring permutes
+        rows = block if spec.tp_overlap == "none" else [    # collective matmul: ring permutes,
+            Comm("all-gather", ("tp",), again * act, int(again),  # but W's regathers are GSPMD's
+                 "a split schedule's W gathers the o and down output gradients from its tape, "
+                 "which keeps them split (1/t); the rings gathered them in B", group=t,
+                 minimum=0.0)] * bool(again)
         rows += _grouped_rows(spec)
         # fp32 scale gradients: each layer's two, the final norm's on the head's stage
         norms = (2 * L * k + ko) * spec.model.dim * 4
