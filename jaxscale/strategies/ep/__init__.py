@@ -102,9 +102,10 @@ def collectives(spec) -> list[Comm]:
     stats = _stat_axes(spec)
     if stats:
         E = m.moe_experts
-        out.append(Comm("all-reduce", stats, 4 * E * (3 + 2 * replay) * L * k,
+        out.append(Comm("all-reduce", stats, 4 * E * (3 + replay) * L * k,
                         (2 + replay) * L * k, "the router's balance statistics (expert shares "
-                        "and mean probabilities; the latter's cotangent in the backward) over the "
+                        "and mean probabilities; the latter's cotangent in the backward; a "
+                        "replayed layer's shares again, which that cotangent reads) over the "
                         "data shards of the step's manual region", group=math.prod(
                             spec.deg(a) for a in stats)))
     if grouped(spec):
