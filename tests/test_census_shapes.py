@@ -26,7 +26,8 @@ kv heads, ffn 224, vocab 509, seq 64) where two mechanisms once moved more than 
   and batched expert matmuls carry no saved tag), gathering its experts and router over fsdp
   and the sequence's expert ids over sp again (the formula replayed it under full remat only,
   and kept the gathered experts for the backward);
-- a mixture's balance statistics under local SGD and full remat: the replayed layer reduces
+- a mixture's balance statistics under local SGD (its average compressed: the statistics
+  alone all-reduced over dp) and full remat: the replayed layer reduces
   its expert shares again (the mean probabilities' cotangent reads them), not both statistics
   (generated seed 1211: the formula 1.23x the compiled over dp);
 - ZeRO-3 x ep with dp splitting a layer's weights within the layer (5 layers over dp4: on the
@@ -88,10 +89,11 @@ PLANS = {
                                                  "mesh.tp=1", "plan.context=ulysses",
                                                  "plan.remat=save_dots", "model.moe_experts=4",
                                                  "data.batch_size=8"),
-    "dp2 x fsdp2 x ep2 DiLoCo MoE remat=full": ("mesh.dp=2", "mesh.fsdp=2", "mesh.ep=2",
-                                                 "mesh.tp=1", "plan.local_sgd=diloco",
-                                                 "plan.local_steps=4", "plan.remat=full",
-                                                 "model.moe_experts=4", "data.batch_size=8"),
+    "dp2 x fsdp2 x ep2 DiLoCo int8 MoE remat=full": ("mesh.dp=2", "mesh.fsdp=2", "mesh.ep=2",
+                                                      "mesh.tp=1", "plan.local_sgd=diloco",
+                                                      "plan.local_steps=4", "plan.remat=full",
+                                                      "plan.compression=int8",
+                                                      "model.moe_experts=4", "data.batch_size=8"),
     "dp4 x ep2 ZeRO-3 MoE": ("mesh.dp=4", "mesh.ep=2", "mesh.fsdp=1", "mesh.tp=1", "plan.zero=3",
                              "model.moe_experts=4", "data.batch_size=8"),
 }
