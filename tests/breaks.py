@@ -61,15 +61,13 @@ ZB_SPLIT = """\
                         y = cot["x"].astype(no_send.dtype)
                 elif kind == "W":
                     mine = jax.tree.map(lambda b: b[inp][:n], buf["tape"])
-                    g_w, cot = ops.weights(lay, mine, scales_of(stage, n))
+                    g_w = ops.weights(lay, mine, scales_of(stage, n))
                     acc = {**acc, "layers": add(acc["layers"], g_w, row0, n)}
-                    acc = seen(acc, stage, n, cot)
 """
 ZB_FUSED = """\
                     if split:        # the weight gradients at once, in B
-                        g_w, sc = ops.weights(lay, cot["taps"], scales_of(stage, n))
+                        g_w = ops.weights(lay, cot["taps"], scales_of(stage, n))
                         acc = {**acc, "layers": add(acc["layers"], g_w, row0, n)}
-                        acc = seen(acc, stage, n, sc)
                     if first:
                         _, e_vjp = jax.vjp(lambda o: embed(o, mb), outer)
                         acc = {**acc, "outer": add(acc["outer"], e_vjp(cot["x"])[0])}

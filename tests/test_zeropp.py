@@ -199,6 +199,24 @@ def test_int8_qat_quantises_the_weight_zeropp_gathered():
     assert rows.get(("all-reduce", ("fsdp",)), 0) == 0
 
 
+def test_a_zero_bubble_w_pass_does_not_gather_the_weights_again():
+    """ZB-H1's W pass takes each weight's gradient from the tape, its fp8 QAT scales read, not
+    differentiated (the input gradients' pass records the amaxes): no weight amax, so no
+    ZeRO++ gather of the weight in that pass (generated seed 1205: W re-gathered every weight
+    to report its amax again, the fsdp gathers 1.38x the formula)."""
+    from jaxscale.train.setup import build
+    setup = build(tiny_config(
+        "mesh.dp=2", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=1", "plan.schedule=zb-h1",
+        "plan.accumulate=2", "plan.qat=fp8", "plan.zeropp=qwz+qgz", "plan.qgz_bits=8"))
+    spec = setup.placement.spec
+    census = inspect.census(setup.lower_train_step().compile().as_text(), setup.placement.mesh,
+                            plan.branch_share(spec))
+    rows = inspect.theory_vs_census(plan.collectives(spec), census)
+    gathers = [r for r in rows if r["kind"] == "all-gather"]
+    assert [r["axes"] for r in gathers] == [["fsdp"]]
+    assert [r["census_bytes"] for r in gathers] == [r["theory_bytes"] for r in gathers]
+
+
 def test_qwz_halves_the_gathers_of_16_bit_weights():
     """bf16 weights, dim 256 (4 heads of 64, ffn 384): qwZ's forward gathers are int8 payloads
     plus a 4-byte scale per block, as many equal blocks of at most 256 as the shard's last

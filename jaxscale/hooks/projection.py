@@ -192,21 +192,23 @@ _TAP_FNS = _Lazy()
 
 
 def weight_grad(eq: str, x, w, dy, site: str, names, scales=None):
-    """(the gradient of w in einsum(eq, x, w), the cotangent of this layer's `scales`) through
-    the plan's projection, from the matmul's input x and output gradient dy: the matmul's own
-    backward, its forward unused. `scales`: the layer's per-layer inputs of the projection (fp8
-    QAT's), whose cotangent is what the backward saw; None without."""
+    """The gradient of w in einsum(eq, x, w) through the plan's projection, from the matmul's
+    input x and output gradient dy: the matmul's own backward, its forward unused. `scales`:
+    the layer's per-layer inputs of the projection (fp8 QAT's), read, not differentiated: the
+    amaxes this backward would report are those of the same x, w and dy, which the input
+    gradient's pass recorded; reporting them again would keep the weight's own amax, and with
+    it the weight's gather (ZeRO++'s, FSDP's) alive in this pass."""
     import jax
 
-    def f(w, sc):
-        token = _LAYER_INPUT.set(({} if sc is None else {SCALES: sc}, {}))
+    def f(w):
+        token = _LAYER_INPUT.set(({} if scales is None else {SCALES: scales}, {}))
         try:
             with _inside():
                 return _project(eq, x, w, site, names)
         finally:
             _LAYER_INPUT.reset(token)
-    y, back = jax.vjp(f, w, scales)
-    return back(dy.astype(y.dtype))
+    y, back = jax.vjp(f, w)
+    return back(dy.astype(y.dtype))[0]
 
 
 # ----------------------------------------------------------------------------- per-layer inputs

@@ -181,9 +181,8 @@ def make_grads_fn(model, placement, parts, forward_only: bool = False):
                         y = cot["x"].astype(no_send.dtype)
                 elif kind == "W":
                     mine = jax.tree.map(lambda b: b[inp][:n], buf["tape"])
-                    g_w, cot = ops.weights(lay, mine, scales_of(stage, n))
+                    g_w = ops.weights(lay, mine, scales_of(stage, n))
                     acc = {**acc, "layers": add(acc["layers"], g_w, row0, n)}
-                    acc = seen(acc, stage, n, cot)
                 return res, g_store, tape, acc, y
             return run
 

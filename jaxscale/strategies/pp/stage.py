@@ -136,25 +136,22 @@ class Stage:
         return vjp((g_y, jnp.asarray(self.reg_scale, jnp.float32)))[0]
 
     def weights(self, lay, tape, scales=None):
-        """W: the gradients of the matmul sites' weights from the tape, layer by layer, and the
-        cotangent of the stage's scales (None without)."""
+        """W: the gradients of the matmul sites' weights from the tape, layer by layer (the
+        stage's scales read: B recorded what the matmuls saw, `weight_grad`)."""
         sites = self.tape_sites
         const = {site: _get(lay, WEIGHT_OF[site]) for site in sites}
 
         def layer(_, xs):
             w, tp, sc = xs
-            grads, seen = {}, None
-            for site, (key, eq, names) in sites.items():
-                g, s = weight_grad(eq, tp["x"][key], w[site], tp["y"][site], site, names, sc)
-                grads[site] = g
-                seen = s if seen is None or s is None else jnp.maximum(seen, s)
-            return None, (grads, seen)
-        _, (grads, seen) = jax.lax.scan(layer, None, (const, tape, scales))
+            return None, {site: weight_grad(eq, tp["x"][key], w[site], tp["y"][site], site,
+                                            names, sc)
+                          for site, (key, eq, names) in sites.items()}
+        _, grads = jax.lax.scan(layer, None, (const, tape, scales))
         tree: dict = {}
         for site, g in grads.items():
             part, name = WEIGHT_OF[site]
             tree.setdefault(part, {})[name] = g
-        return tree, seen
+        return tree
 
 
 class _inputs:
