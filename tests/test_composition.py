@@ -185,6 +185,11 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
     row = {**row, "failure": "memory", "options": ["pp 1F1B"], "mesh": {"pp": 2},
            "shape": {"model.n_layers": 5}, "temp": 0.8}
     assert sweep.cause(row) == "undiagnosed"      # fixed causes leave the list (uneven stages')
+    assert sweep.cause({**row, "options": ["pp 1F1B", "bf16"]}) == "16-bit pipeline residuals"
+    assert sweep.cause({**row, "options": ["pp 1F1B", "DiLoCo"], "temp": 1.2}) == \
+        "local SGD's average over sharded or pipelined replicas"
+    assert sweep.cause({**row, "options": ["DiLoCo"], "mesh": {"dp": 8}, "temp": 1.2}) == \
+        "undiagnosed"
     assert sweep.cause({**row, "failure": "numerics", "options": ["ep", "bf16"]}) == \
         "routing under rounding"
     assert sweep.cause({**row, "failure": "numerics", "detail": "grads 1.29e-05 > 1e-05 (worst: "

@@ -99,6 +99,19 @@ KNOWN = [
      "compiled temp); on tp4 with Megatron SP the compiled temp holds 140-170 kB the planner "
      "lacks in fp32 and fp16 alike (dp2 x tp4: 0.95 fp32 with collective matmul, 0.90 fp16), "
      "which with pruning's unmasked weights and fp16's smaller total falls past 15% (0.80-0.82)"),
+    ("16-bit pipeline residuals", lambda r: r["failure"] == "memory" and (r["temp"] or 1) < 1
+     and r["mesh"].get("pp", 1) > 1 and {"bf16", "fp16"} & set(r["options"]),
+     "a pipeline's residual slots under a 16-bit policy: the planner halves every residual, "
+     "but XLA keeps the attention scores in fp32 and the backward holds fp32 copies of the "
+     "16-bit residuals it converts (the live-range dump's peak); an itemsize per residual "
+     "moved 1F1B from 0.80 to 0.85 of the compiled temp and ZB-H1 past it (1.19), so it was "
+     "not kept"),
+    ("local SGD's average over sharded or pipelined replicas", lambda r: r["failure"] ==
+     "memory" and (r["temp"] or 1) > 1 and {"DiLoCo", "Streaming DiLoCo"} & set(r["options"])
+     and any(r["mesh"].get(a, 1) > 1 for a in ("pp", "fsdp", "tp")),
+     "the blocking average's five fp32 replica copies, read from dp8's live ranges, are not "
+     "all alive at once where the replica is a pipeline stage or a sharded group beside "
+     "offloaded or rematerialised state (the planner 1.18-1.40 of the compiled temp)"),
 ]
 
 
