@@ -173,14 +173,16 @@ def _w_regathers(spec) -> float:
     their own region, not through the tape. Keeping them gathered instead would spare these
     at (t-1)/t of two [micro-batch, seq, dim] arrays per layer and tape slot. Under fp8 QAT
     (its scales read in W, not its amaxes) W's replayed forward gathers each column group's
-    input too, one per row matmul's group (the attention's, the MLP's): twice as many (pp2 x
+    input too (GSPMD's gathers; collective matmul's rings are `overlap.w_rings`), one per row
+    matmul's group (the attention's, the MLP's): twice as many (pp2 x
     fsdp2 x tp2 ZB-V, generated seed 1224: all-gather tp 0.81 of the compiled without them)."""
     from jaxscale.strategies.pp.schedules import SPLIT
     if spec.deg("pp") == 1 or spec.schedule not in SPLIT:
         return 0.0
     moe = moe_layers(spec)
     rows = 2 * (spec.layers_per_device - moe) + moe * (1 + _shared_experts(spec))
-    return rows * max(1, spec.accumulate) * (2 if spec.qat == "fp8" else 1)
+    inputs = spec.qat == "fp8" and spec.tp_overlap == "none"    # (collective matmul: rings)
+    return rows * max(1, spec.accumulate) * (2 if inputs else 1)
 
 
 def _grouped_rows(spec) -> list[Comm]:
