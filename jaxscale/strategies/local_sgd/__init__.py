@@ -184,10 +184,9 @@ def memory(spec) -> list[Term]:
     blocking's four copies and 3.75 (1 - 1/F) more, or 3.5 + 2.25 (1 - 1/F) delayed (the step's
     own update no longer waits beside the average's copies). Delayed, the new anchor (and outer
     momentum) depends on the average alone: XLA computes it as the step starts and holds it, two
-    whole fp32 leaves each, through the backward. A compressed average holds one more
-    replica-sized fp32 buffer: blocking with an 8-bit method, the dequantized mean beside the
-    changes (dp8 and dp4 x tp2 with MoE: the compiled temp 1.00 replica above the plain
-    average's), streamed with PowerSGD, the reconstruction beside the group's parts (1.09)."""
+    whole fp32 leaves each, through the backward. One more replica-sized fp32 buffer: blocking
+    with an 8-bit method, the dequantized mean beside the changes (dp8, dp4 x tp2: 1.00 replica
+    above the plain average's); streamed with PowerSGD, the reconstruction (1.09)."""
     if not active(spec):
         return []
     from jaxscale.strategies.tables.params import leaves
@@ -200,21 +199,17 @@ def memory(spec) -> list[Term]:
         out.append(Term("update", 4 * 4 * size, "the average: the changes, their sum, the mean "
                         "and the outer step's results (fp32, with the gradient buffer five "
                         "copies)"))
-        if spec.compression in ("int8", "fp8"):
-            out.append(Term("update", 4 * size, f"the {spec.compression} average's dequantized "
-                            "mean beside the changes it quantised (fp32)"))
     else:
         cut = 1 - 1 / spec.outer_fragments
         copies = 3.5 + 2.25 * cut if spec.outer_delay else 4 + 3.75 * cut
         out.append(Term("update", copies * 4 * size, f"a streamed average: its group's parts "
                         f"cut out and put back into the anchor and the replica ({copies:.2f} "
                         f"fp32 replicas)"))
-        if spec.compression == "powersgd":
-            out.append(Term("update", 4 * size, "PowerSGD's average of the group's parts: their "
-                            "low-rank reconstruction beside them (fp32)"))
         if spec.outer_delay and spec.outer_fragments > 1:
             out.append(Term("backward", 4 * size * (1 + (mom > 0)), "the delayed average's new "
                             "anchor (and outer momentum), computed as the step starts"))
+    if spec.compression in (("powersgd",) if streaming(spec) else ("int8", "fp8")):
+        out.append(Term("update", 4 * size, f"{spec.compression}: its result beside the changes"))
     return out
 
 
