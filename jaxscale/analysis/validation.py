@@ -18,11 +18,9 @@ TOLERANCE = {"argument+output": 0.05, "temp": 0.15, "collective": 0.02, "flops":
 
 
 def scalar_bytes(spec) -> float:
-    """The most bytes of the step's scalar partial sums: loss, token count, norms, flags (16
-    fp32), fp8's 18 amaxes per layer per micro-batch (`qat.N_SLOTS`). XLA carries them in
-    tuples (0 bytes in the census) or alone: an all-reduce row of no more is compared as such,
-    and one whose census exceeds its formula by no more (the scalars XLA reduced with a
-    payload over the same axes: fp8's amaxes taken inside a data region) matches."""
+    """The most bytes of the step's scalar partial sums (loss, token count, norms, flags: 16
+    fp32; fp8's 18 amaxes per layer per micro-batch), in tuples (0 bytes in the census) or not:
+    an all-reduce row of no more, or exceeding its formula by no more, matches."""
     from jaxscale.strategies.qat import N_SLOTS
     fp8 = N_SLOTS * spec.model.n_layers * max(1, spec.accumulate) if spec.qat == "fp8" else 0
     return 4.0 * (16 + fp8)
@@ -36,9 +34,8 @@ def comm_rows(pred, census: list[dict], backend: str = "cpu") -> list[dict]:
     scalars = scalar_bytes(pred.spec)
 
     def ratio(r):
-        if r["kind"] == "all-reduce" and (
-                max(r["census_bytes"], r["theory_bytes"]) <= scalars     # scalars alone, or
-                or 0 <= r["census_bytes"] - r["theory_bytes"] <= scalars):   # beside a payload
+        c, t = r["census_bytes"], r["theory_bytes"]
+        if r["kind"] == "all-reduce" and (max(c, t) <= scalars or 0 <= c - t <= scalars):
             return 1.0                    # scalar partial sums, in tuples or alone
         if not r["census_bytes"]:
             return 1.0 if not r["theory_bytes"] else None
@@ -54,8 +51,7 @@ def comm_rows(pred, census: list[dict], backend: str = "cpu") -> list[dict]:
 def compare(pred, report: dict, backend: str = "cpu") -> dict:
     """All rows for one config; `ok` says whether every row is inside `TOLERANCE`."""
     mem, xla = report["memory"], pred.memory.xla
-    ao_c = mem["argument"] + mem["output"]
-    ao_p = xla["argument"] + xla["output"]
+    ao_c, ao_p = mem["argument"] + mem["output"], xla["argument"] + xla["output"]
     if backend == "cpu":    # XLA:CPU reports pinned_host buffers as arguments: all memory is host
         ao_p += xla.get("host_argument", 0.0) + xla.get("host_output", 0.0)
     rows = [{"what": "argument+output", "predicted": ao_p, "compiled": ao_c, "ratio": ao_p / ao_c},
