@@ -185,6 +185,7 @@ class Trajectory:
     text: str = ""               # the compiled step's HLO (with the gradients as an output)
     setup: object = None
     compiled: object = None      # that compiled step (its memory analysis, its outputs' layout)
+    batches: object = None       # the batches it ran on (`Batches`: batch i at update i)
 
 
 def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
@@ -195,7 +196,8 @@ def run(overrides, devices=None, steps: int = STEPS, cfg=None) -> Trajectory:
     compiled = setup.lower_train_step().compile()
     batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
     state = setup.init_state()
-    out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup, compiled=compiled)
+    out = Trajectory(lr=cfg.optim.lr, text=compiled.as_text(), setup=setup, compiled=compiled,
+                     batches=batches)
     out.initial = _weights(state, cfg, setup)
     for i in range(steps):
         state, m = compiled(state, batches.device_batch(i, setup.batch_shardings()))
@@ -237,8 +239,7 @@ def at_weights(ref: Trajectory, weights, step: int):
                               jax.tree.map(lambda a: a.sharding, like))
     state = replace(state, params=placed(state.params), **(
         {} if state.master is None else {"master": placed(state.master)}))
-    batches = Batches(load_corpus(cfg.data).train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
-    _, m = ref.compiled(state, batches.device_batch(step, setup.batch_shardings()))
+    _, m = ref.compiled(state, ref.batches.device_batch(step, setup.batch_shardings()))
     return disk.to_disk(jax.device_get(m["grads"]), cfg.model.vocab_size, order)
 
 

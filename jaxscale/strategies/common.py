@@ -61,15 +61,19 @@ class Term:
         return asdict(self)
 
 
-def permutes(spec, axis: str, nbytes: float, count: int, what: str, **kw) -> Comm:
-    """The row of `count` collective-permutes over `axis` moving `nbytes`; on XLA:CPU inside
-    pipeline stages they run as all-to-alls of `axis`-size slot buffers (`axes.divergent`), so
-    the row is that all-to-all with the permutes' bytes as its minimum."""
+def permutes(spec, axis: str, nbytes: float, count: int, what: str, minimum=None,
+             **kw) -> Comm:
+    """The row of `count` collective-permutes over `axis` moving `nbytes` (`minimum`: of them,
+    what is needed); on XLA:CPU inside pipeline stages they run as all-to-alls of `axis`-size
+    slot buffers (`axes.divergent`), so the row is that all-to-all with the permutes' bytes as
+    its minimum."""
     n = spec.deg(axis)
     if spec.device_kind == "cpu" and spec.deg("pp") > 1:
         return Comm("all-to-all", (axis,), nbytes * n, count, what + " (as all-to-alls: XLA:CPU "
-                    "inside pipeline stages)", group=n, minimum=nbytes, **kw)
-    return Comm("collective-permute", (axis,), nbytes, count, what, group=n, **kw)
+                    "inside pipeline stages)", group=n,
+                    minimum=nbytes if minimum is None else minimum, **kw)
+    return Comm("collective-permute", (axis,), nbytes, count, what, group=n, minimum=minimum,
+                **kw)
 
 
 def problems_of(parse, *args) -> list[str]:

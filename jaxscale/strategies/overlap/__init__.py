@@ -36,8 +36,6 @@ scheduler option (`xla_cpu_enable_concurrency_optimized_scheduler`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, permutes
 from jaxscale.strategies.remat import actions, parse
@@ -142,10 +140,7 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
       compute dtype."""
     c, q = spec.wire_compute_itemsize, spec.qat
     replay_o = parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat"
-    # a layer's attention rings, and its MLP's: a MoE layer's experts run in their own region
-    # (`strategies/ep/grouped.py`), its shared experts (if any) as a dense MLP
-    m = spec.model
-    mlp = 1.0 - (m.n_moe_layers / m.n_layers if spec.moe and not m.moe_shared_experts else 0.0)
+    mlp = _dense_mlp(spec)
     n_in = n_row = INPUT_RINGS / 2 * (1 + mlp)
     if q == "int8":
         gather = 1 + 4 / spec.model.dim
@@ -155,11 +150,23 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
         if parse(spec.remat) != "none":
             out.append(("int8 inputs replayed", n_in, gather, 2))
         return out + ([("o replayed", 1, 4, 1)] if replay_o else [])
-    e8 = 1 if q == "fp8" else c
+    e8 = _e8(spec)
     out = [("inputs", n_in, e8, 1), ("row outputs", n_row, c, 1),
            ("dW inputs", n_in, e8, 1), ("input gradients", n_in, c, 1),
            ("row gradients", n_row, e8, 1)]
     return out + ([("o replayed", 1, c, 1)] if replay_o else [])
+
+
+def _dense_mlp(spec) -> float:
+    """The share of a layer's rings its MLP runs: a MoE layer's experts run in their own region
+    (`strategies/ep/grouped.py`), its shared experts (if any) as a dense MLP."""
+    m = spec.model
+    return 1.0 - (m.n_moe_layers / m.n_layers if spec.moe and not m.moe_shared_experts else 0.0)
+
+
+def _e8(spec) -> int:
+    """Bytes per element of the rings fp8 carries in e4m3 / e5m2 (else the compute dtype's)."""
+    return 1 if spec.qat == "fp8" else spec.wire_compute_itemsize
 
 
 def collectives(spec) -> list[Comm]:
@@ -168,19 +175,15 @@ def collectives(spec) -> list[Comm]:
     t, L, k = spec.deg("tp"), spec.layers_per_device, max(1, spec.accumulate)
     elements = stream_bytes(spec) / spec.wire_compute_itemsize / t     # one chunk
     hops = (t - 1) * L * k
-    found = rings(spec)
-    n = sum(r * p for _, r, _, p in found) * hops
-    size = sum(r * b for _, r, b, _ in found) * elements * hops
-    out = [permutes(spec, "tp", size, n, "collective matmul: t-1 hops of a bsh/t chunk per "
-                    "ring; per layer " + ", ".join(f"{r} {what}" for what, r, _, _ in found),
-                    overlap=True)]
-    w = w_rings(spec)
-    if w:
-        out.append(replace(permutes(
-            spec, "tp", sum(r * b for _, r, b, _ in w) * elements * hops,
-            sum(r * p for _, r, _, p in w) * hops, "collective matmul under a split schedule's "
-            "W pass (each matmul's own backward, `hooks.projection.weight_grad`): per layer "
-            + ", ".join(f"{r:g} {what}" for what, r, _, _ in w), overlap=True), minimum=0.0))
+
+    def row(found, what, **kw):
+        return permutes(spec, "tp", sum(r * b for _, r, b, _ in found) * elements * hops,
+                        sum(r * p for _, r, _, p in found) * hops, what + "; per layer "
+                        + ", ".join(f"{r:g} {w}" for w, r, _, _ in found), overlap=True, **kw)
+    out = [row(rings(spec), "collective matmul: t-1 hops of a bsh/t chunk per ring")]
+    if w := w_rings(spec):
+        out.append(row(w, "collective matmul under a split schedule's W pass (each matmul's "
+                       "own backward, `hooks.projection.weight_grad`)", minimum=0.0))
     return out
 
 
@@ -198,9 +201,7 @@ def w_rings(spec) -> list[tuple[str, float, float, int]]:
     if (spec.deg("pp") == 1 or spec.schedule not in SPLIT or spec.qat == "int8"
             or parse(spec.remat) != "none"):
         return []
-    m = spec.model
-    mlp = 1.0 - (m.n_moe_layers / m.n_layers if spec.moe and not m.moe_shared_experts else 0.0)
-    e8 = 1 if spec.qat == "fp8" else spec.wire_compute_itemsize
+    mlp, e8 = _dense_mlp(spec), _e8(spec)
     n_in = INPUT_RINGS / 2 * (1 + mlp)
     return [("dW inputs per site", 3 + 2 * mlp - n_in, e8, 1),
             ("row gradients again", n_in, e8, 1)]

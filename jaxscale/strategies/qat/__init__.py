@@ -137,8 +137,7 @@ def collectives(spec) -> list[Comm]:
     if spec.qat == "fp8":
         from jaxscale.strategies.common import sync_axes
         from jaxscale.strategies.dp import mean_runs
-        region = tuple(a for a in sync_axes(spec) if spec.deg(a) > 1)
-        runs = mean_runs(spec)
+        region, runs = sync_axes(spec), mean_runs(spec)
         return [Comm("all-reduce", region, 4 * spec.model.n_layers * N_SLOTS * runs, runs,
                      "fp8 QAT: the step's amaxes over the data region (max)",
                      group=math.prod(spec.deg(a) for a in region))] if region else []

@@ -130,7 +130,7 @@ def collectives(spec) -> list[Comm]:
             Comm("all-gather", ("tp",), again * act, int(again),  # but W's regathers are GSPMD's
                  "a split schedule's W gathers the o and down output gradients from its tape, "
                  "which keeps them split (1/t); the rings gathered them in B", group=t,
-                 minimum=0.0)] * bool(again)
+                 minimum=0.0)] if again else []
         rows += _grouped_rows(spec)
         # fp32 scale gradients: each layer's two, the final norm's on the head's stage
         norms = (2 * L * k + ko) * spec.model.dim * 4
