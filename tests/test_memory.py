@@ -152,6 +152,18 @@ def test_a_data_region_updates_the_expert_gradient_stack_in_place():
         assert_temp_within_tolerance(compare(pred, inspect.report(cfg)))
 
 
+def test_a_pipeline_stage_replays_its_experts_from_the_layers_one_gather():
+    """dp2 x pp2 x fsdp2, dropless experts under full remat: a stage's B op replays and
+    differentiates each layer from fsdp's one gathered layer, with no second gather of the
+    experts for the replay (the planner was at 1.23 of the compiled temp counting one)."""
+    from jaxscale import planner
+    from jaxscale.analysis.validation import compare
+    cfg = tiny_config("mesh.dp=2", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=1", "model.n_layers=4",
+                      "plan.accumulate=2", "data.batch_size=8", "model.moe_experts=4",
+                      "model.moe_dropless=true", "plan.remat=full")
+    assert_temp_within_tolerance(compare(planner.predict(cfg), inspect.report(cfg)))
+
+
 def test_fp16_underflows_without_loss_scaling_and_recovers_with_it():
     # Down-weighting every token by 1e-7 keeps the token-mean gradient unchanged in exact
     # arithmetic, but pushes the blocks' fp16 backward intermediates below fp16's 6e-8.

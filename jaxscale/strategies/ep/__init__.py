@@ -166,7 +166,9 @@ def memory(spec) -> list[Term]:
     """Expert weights follow the rules and the routed activations are in the layer table
     (`tables.activations.moe_tensors`). Its own (read from XLA:CPU buffer assignments): the
     grouped experts gather their weights over fsdp inside their region and keep every MoE
-    layer's gathered copy for the backward; without FSDP the backward of a scanned MoE layer
+    layer's gathered copy for the backward (under remat one layer's, for its replay; none in a
+    pipeline stage, whose B op replays from fsdp's one gathered layer: dp2 x pp2 x fsdp2 full
+    remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the backward of a scanned MoE layer
     holds a copy of the layer's expert weights sliced out of the stack; `ragged_dot`'s CPU
     lowering over several local experts holds the stacked expert gradient twice (dp2 x ep4, ep8,
     dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once where the gradients
@@ -188,6 +190,8 @@ def memory(spec) -> list[Term]:
         if not grouped(spec):
             return []
         held = sum(leaf.local_size(spec, drop=axes) for leaf in experts)
+        if remat.active(spec) and spec.deg("pp") > 1:
+            return lowering         # a stage's B op replays from fsdp's one gathered layer
         if remat.active(spec):      # replayed: each layer gathers them again (`collectives`)
             return lowering + [Term("backward", held / spec.stored_layers
                                     * spec.held_param_itemsize, "one MoE layer's expert weights "
