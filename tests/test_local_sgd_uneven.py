@@ -92,24 +92,31 @@ def test_each_branch_all_reduces_its_groups_bytes(blocking):
 
 
 def test_uneven_cut_takes_and_puts_strided_rows_per_stage():
-    """The runtime cut of a [6, ...] stack over 2 stages and F = 2 (per stage 3 rows: rows 0, 2
-    to fragment 0, row 1 to fragment 1), and of a [5, ...] stack whole (rows 0, 2, 4 and 1, 3):
-    the parts' shapes are the formula's (`part_shape`), and `put` writes back what `take` read."""
+    """The runtime cut of a [6, ...] stack over 2 stages and F = 2 (per stage 3 rows: layers 0,
+    2 | 4 to fragment 0 and 1 | 3, 5 to fragment 1, each stage's rows in 2 slots, a spare one
+    empty), and of a [5, ...] stack whole (rows 0, 2, 4 and 1, 3): the parts are the model's
+    layers p mod F, their shapes the formula's (`part_shape`), and `put` writes back what
+    `take` read. (The stride inside a stage would put layer 3, row 0 of the second, in
+    fragment 0.)"""
     rng = np.random.default_rng(0)
-    for n, stages, frag0, frag1 in ((6, 2, [0, 2, 3, 5], [1, 4]), (5, 1, [0, 2, 4], [1, 3])):
+    for n, stages, frag0, frag1 in ((6, 2, [0, 2, 4, -1], [1, -1, 3, 5]),
+                                    (5, 1, [0, 2, 4], [1, 3])):
         params = jax.tree.map(jax.numpy.asarray, {
             "embed": rng.normal(size=(4, 3)).astype("float32"),
             "layers": {"w": rng.normal(size=(n, 3)).astype("float32")}})
         cut = fragments.Cut.of(params, 2, stages)
         leaves = jax.tree.leaves(params)
-        w0, w1 = (cut.take(leaves, (p,))[-1] for p in (0, 1))
-        w = np.asarray(params["layers"]["w"])
-        np.testing.assert_array_equal(w0, w[frag0])
-        np.testing.assert_array_equal(w1, w[frag1])
-        assert w0.shape == fragments.part_shape((n, 3), fragments.STRIDED, 2, 0, stages)
+        w = np.concatenate([np.asarray(params["layers"]["w"]), np.zeros((1, 3), "float32")])
+        for p, rows_ in enumerate((frag0, frag1)):
+            got = cut.take(leaves, (p,))[-1]
+            np.testing.assert_array_equal(got, w[rows_])       # -1: the spare slot, zeros
+            assert got.shape == fragments.part_shape((n, 3), fragments.STRIDED, 2, p, stages,
+                                                     cut.sel)
         back = cut.put(leaves, (1,), [x * 0 for x in cut.take(leaves, (1,))])
         back = np.asarray(back[-1])
-        assert not back[frag1].any() and np.array_equal(back[frag0], w0)
+        ones = [r for r in frag1 if r >= 0]
+        assert not back[ones].any() and np.array_equal(back[[r for r in frag0 if r >= 0]],
+                                                       w[[r for r in frag0 if r >= 0]])
 
 
 def test_uneven_fragments_in_pipeline_stages_match_dp_and_the_formula():
@@ -130,16 +137,19 @@ def test_uneven_fragments_in_pipeline_stages_match_dp_and_the_formula():
         assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=1e-3), r
 
 
-def test_fragments_under_a_pipeline_average_the_models_layers():
+@pytest.mark.parametrize("layers, slots", [(5, (((0, 2), (1,)), ((1,), (0,)))),
+                                           (2, (((0,), ()), ((), (0,))))])
+def test_fragments_under_a_pipeline_average_the_models_layers(layers, slots):
     """5 layers on pp2 (stages of 3 and 2: the second's rows hold layers 3, 4, so the stride
-    p::F inside a stage would average layer 3 with 0 and 2) in F = 2 fragments at H = 2: the
-    weights after 4 updates (2 averages) equal dp2 replicas without a pipeline, whose fragments
-    are layers 0, 2, 4 and 1, 3 (fp32)."""
-    from jaxscale.strategies.pp.stages import layer_order
-    data = (*FIVE, "data.batch_size=8", "plan.accumulate=2", "optim.warmup_steps=0", *STREAM)
+    p::F inside a stage would average layer 3 with 0 and 2), and 2 (a layer a stage: the stride
+    would put both in fragment 0 and average fragment 1's none), in F = 2 fragments at H = 2:
+    the weights after 4 updates (2 averages) equal dp2 replicas without a pipeline, whose
+    fragments are the layers p mod 2: 0, 2, 4 and 1, 3; 0 and 1 (fp32)."""
+    data = (f"model.n_layers={layers}", "data.batch_size=8", "plan.accumulate=2",
+            "optim.warmup_steps=0", *STREAM)
     piped = ("mesh.dp=2", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=1", *data)
     spec = plan.Spec.from_config(tiny_config(*piped), 8)
-    assert fragments.selection(layer_order(spec), 2, 2) == (((0, 2), (1,)), ((1,), (0,)))
+    assert fragments.selection(fragments.stored_order(spec), 2, 2) == slots
     got = numerics.run(piped, steps=4)
     ref = numerics.run(("mesh.dp=2", "mesh.pp=1", "mesh.fsdp=1", "mesh.tp=1", *data),
                        jax.devices()[:2], steps=4)

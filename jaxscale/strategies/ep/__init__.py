@@ -168,8 +168,9 @@ def memory(spec) -> list[Term]:
     grouped experts gather their weights over fsdp inside their region and keep every MoE
     layer's gathered copy for the backward (under remat one layer's, for its replay; none in a
     pipeline stage, whose B op replays from fsdp's one gathered layer: dp2 x pp2 x fsdp2 full
-    remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the backward of a scanned MoE layer
-    holds a copy of the layer's expert weights sliced out of the stack; `ragged_dot`'s CPU
+    remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the
+    backward of a scanned MoE layer holds a copy of the layer's expert weights sliced out of
+    the stack; `ragged_dot`'s CPU
     lowering over several local experts holds the stacked expert gradient twice (dp2 x ep4, ep8,
     dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once where the gradients
     are computed in the data region (`common.sync_axes`: dp8 fp8 with the sparse embedding or

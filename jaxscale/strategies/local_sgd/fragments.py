@@ -10,7 +10,8 @@ p::F. Under a pipeline the stacked axis is split over pp into S blocks of m stor
 stride runs inside each block: fragment p holds the rows p, p + F, ... < m of every stage
 ([S, m, ...][:, p::F], so the split stays local and every stage holds a share of every
 fragment) wherever that is the model's stride (each stored row's layer = its row mod F). Where
-it is not (uneven stages, interleaved chunks: the stage layout's `stages.layer_order`), fragment
+it is not (uneven stages, interleaved chunks, even stages of rows not a multiple of F: the
+stage layout's `stages.layer_order`), fragment
 p takes, from each block, the rows whose layer is p mod F, as many slots per block as the block
 with the most (a gather along the rows, local to each stage; a block's spare slots are empty and
 dropped on the way back): any layout averages the same layers together as one device does, and
@@ -87,9 +88,11 @@ def rows(m: int, p: int, F: int) -> int:
 
 def selection(order, stages: int, F: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
     """For each fragment p, each block's rows whose layer is p mod F (`order`: stored row ->
-    model layer, -1 padding, `stages.layer_order`); None where the blocks' stride p::F is that
-    already (then padding rows go with their stride)."""
-    if order is None or F == 1:
+    model layer, -1 padding, `stored_order`); None where the blocks' stride p::F is that
+    already (then padding rows go with their stride): a block's rows a multiple of F, or one
+    block. (Even stages of m rows, m not a multiple of F, are not: 2 layers on pp2 in F = 2
+    put layer 1 in row 0 of its block, fragment 1's, not the stride's 0.)"""
+    if F == 1:
         return None
     m = len(order) // stages
     if all(layer % F == (r % m) % F for r, layer in enumerate(order) if layer >= 0):
@@ -97,6 +100,14 @@ def selection(order, stages: int, F: int) -> tuple[tuple[tuple[int, ...], ...], 
     return tuple(tuple(tuple(r for r in range(m) if 0 <= order[s * m + r]
                              and order[s * m + r] % F == p) for s in range(stages))
                  for p in range(F))
+
+
+def stored_order(spec) -> list[int]:
+    """Stored row -> model layer of the plan's layer stack (`stages.layer_order`, which says
+    None for the model's own order)."""
+    from jaxscale.strategies.pp.stages import layer_order
+    order = layer_order(spec)
+    return list(range(spec.model.n_layers)) if order is None else order
 
 
 def part_shape(shape, o: int, F: int, p: int, stages: int = 1, sel=None) -> tuple[int, ...]:
@@ -112,10 +123,9 @@ def group_shapes(spec) -> list[list[tuple[int, ...]]]:
     """Each group's parts as a device holds them (its shards of every leaf part, a stacked
     leaf's rows p::F of the rows it stores), in the order of `groups`: what one average of that
     group takes (with F = 1 one group, every leaf whole)."""
-    from jaxscale.strategies.pp.stages import layer_order
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
-    sel = selection(layer_order(spec), spec.deg("pp"), F)
+    sel = selection(stored_order(spec), spec.deg("pp"), F)
     per: list[list] = [[] for _ in range(F)]
     for leaf in leaves(spec.model):
         shape, o = leaf.local_shape(spec), owner(leaf.path, leaf.stacked, F)
@@ -158,16 +168,17 @@ class Cut:
     def of(cls, params, F: int, stages: int = 1, spec=None) -> Cut:
         """The cut of a parameter tree, from its paths: a leaf under "layers/" without a layer
         number is a layer stack (the model's "layers" logical axis); `spec`: the plan whose
-        pipeline stores the rows (`stages.layer_order`)."""
+        pipeline stores the rows (`stored_order`; without one the rows are the model's layers
+        in order)."""
         import jax
 
-        from jaxscale.strategies.pp.stages import layer_order
-        paths = [jax.tree_util.keystr(p, simple=True, separator="/")
-                 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        order = layer_order(spec) if spec is not None and max(1, stages) > 1 else None
-        return cls(F, tuple(owner(path, path.startswith("layers/")
-                                  and not re.match(r"layers/\d+/", path), F) for path in paths),
-                   max(1, stages), selection(order, max(1, stages), F))
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
+        owners = tuple(owner(path, path.startswith("layers/")
+                             and not re.match(r"layers/\d+/", path), F) for path in paths)
+        rows_ = next((x.shape[0] for (_, x), o in zip(flat, owners) if o == STRIDED), 0)
+        order = stored_order(spec) if spec is not None else list(range(rows_))
+        return cls(F, owners, max(1, stages), selection(order, max(1, stages), F))
 
     def members(self, frags) -> list[tuple[int, int]]:
         """(leaf number, fragment) of every part the fragments `frags` hold."""
