@@ -186,6 +186,9 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
            "shape": {"model.n_layers": 5}, "temp": 0.8}
     assert sweep.cause(row) == "undiagnosed"      # fixed causes leave the list (uneven stages')
     assert sweep.cause({**row, "options": ["pp 1F1B", "bf16"]}) == "16-bit pipeline residuals"
+    assert sweep.cause({**row, "options": ["pp 1F1B", "bf16", "ring"], "temp": 1.2}) == \
+        "16-bit ring attention on XLA:CPU"
+    assert sweep.cause({**row, "options": ["pp 1F1B", "ring"], "temp": 1.2}) == "undiagnosed"
     assert sweep.cause({**row, "options": ["pp 1F1B", "DiLoCo"], "temp": 1.2}) == \
         "local SGD's average over sharded or pipelined replicas"
     assert sweep.cause({**row, "options": ["DiLoCo"], "mesh": {"dp": 8}, "temp": 1.2}) == \
