@@ -168,20 +168,18 @@ def memory(spec) -> list[Term]:
     grouped experts gather their weights over fsdp inside their region and keep every MoE
     layer's gathered copy for the backward (under remat one layer's, for its replay; none in a
     pipeline stage, whose B op replays from fsdp's one gathered layer: dp2 x pp2 x fsdp2 full
-    remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the
-    backward of a scanned MoE layer holds a copy of the layer's expert weights sliced out of
-    the stack; `ragged_dot`'s CPU
-    lowering over several local experts holds the stacked expert gradient twice (dp2 x ep4, ep8,
-    dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once where the gradients
-    are computed in the data region (`common.sync_axes`: dp8 fp8 with the sparse embedding or
-    2 micro-batches, 0.99-1.06 of the compiled temp without the copy, 1.31-1.39 with it) or
-    the layer is replayed (any remat policy: dp8 and dp4 x ep2 full, save_dots, offload at
-    0.86-1.06 without it, 1.15-1.47 with it), and
-    the masked buffers of its dense matmul
-    (`dense_experts`). With the gradient stack kept whole (`zero.grads_whole`) the MoE layer's
-    expert gradients are all-reduced inside the layer loop where the experts are replicated over
-    a data axis (dp, sp: the ep x tp shards leave copies): their reduced copy is alive beside
-    them (none where ep x tp covers every device)."""
+    remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the backward
+    of a scanned MoE layer holds a copy of the layer's expert weights sliced out of the stack;
+    `ragged_dot`'s CPU lowering over several local experts holds the stacked expert gradient
+    twice (dp2 x ep4, ep8, dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once
+    where the gradients are computed in the data region (`common.sync_axes`: dp8 fp8 with the
+    sparse embedding or 2 micro-batches, 0.99-1.06 of the compiled temp without the copy,
+    1.31-1.39 with it) or the layer is replayed (any remat policy: dp8 and dp4 x ep2 full,
+    save_dots, offload at 0.86-1.06 without it, 1.15-1.47 with it), and the masked buffers of
+    its dense matmul (`dense_experts`). With the gradient stack kept whole (`zero.grads_whole`)
+    the MoE layer's expert gradients are all-reduced inside the layer loop where the experts are
+    replicated over a data axis (dp, sp: the ep x tp shards leave copies): their reduced copy is
+    alive beside them (none where ep x tp covers every device)."""
     if not spec.moe or not spec.model.scan_layers:
         return []
     experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]

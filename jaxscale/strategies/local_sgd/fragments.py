@@ -10,12 +10,11 @@ p::F. Under a pipeline the stacked axis is split over pp into S blocks of m stor
 stride runs inside each block: fragment p holds the rows p, p + F, ... < m of every stage
 ([S, m, ...][:, p::F], so the split stays local and every stage holds a share of every
 fragment) wherever that is the model's stride (each stored row's layer = its row mod F). Where
-it is not (uneven stages, interleaved chunks, even stages of rows not a multiple of F: the
-stage layout's `stages.layer_order`), fragment
-p takes, from each block, the rows whose layer is p mod F, as many slots per block as the block
-with the most (a gather along the rows, local to each stage; a block's spare slots are empty and
-dropped on the way back): any layout averages the same layers together as one device does, and
-moves at most a block's spare slots more.
+it is not (uneven stages, interleaved chunks, even stages of rows not a multiple of F: the stage
+layout's `stages.layer_order`), fragment p takes, from each block, the rows whose layer is p mod
+F, as many slots per block as the block with the most (a gather along the rows, local to each
+stage; a block's spare slots are empty and dropped on the way back): any layout averages the
+same layers together as one device does, and moves at most a block's spare slots more.
 
 Fragment p is averaged after the inner steps c = o_p, o_p + H, o_p + 2H, ... with the offset
 o_p = p H // F (fragments with the same offset, when F > H, go together: one group). With F = 1
