@@ -172,14 +172,16 @@ def memory(spec) -> list[Term]:
     of a scanned MoE layer holds a copy of the layer's expert weights sliced out of the stack;
     `ragged_dot`'s CPU lowering over several local experts holds the stacked expert gradient
     twice (dp2 x ep4, ep8, dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once
-    where the gradients are computed in the data region (`common.sync_axes`: dp8 fp8 with the
-    sparse embedding or 2 micro-batches, 0.99-1.06 of the compiled temp without the copy,
-    1.31-1.39 with it) or the layer is replayed (any remat policy: dp8 and dp4 x ep2 full,
-    save_dots, offload at 0.86-1.06 without it, 1.15-1.47 with it), and the masked buffers of
-    its dense matmul (`dense_experts`). With the gradient stack kept whole (`zero.grads_whole`)
-    the MoE layer's expert gradients are all-reduced inside the layer loop where the experts are
-    replicated over a data axis (dp, sp: the ep x tp shards leave copies): their reduced copy is
-    alive beside them (none where ep x tp covers every device)."""
+    where the gradients are computed in the data region with every expert on each device and no
+    pipeline (`common.sync_axes`, ep = pp = 1: dp8 fp8 with the sparse embedding or 2 micro-
+    batches, 0.99-1.06 of the compiled temp without the copy, 1.31-1.39 with it; over ep2 or a
+    pipeline the copy stays: dp2 x ep2 x sp2 at 0.77 without it) or the layer is replayed (any
+    remat policy: dp8 and dp4 x ep2 full, save_dots, offload at 0.86-1.06 without it, 1.15-1.47
+    with it), and the masked buffers of its dense matmul (`dense_experts`). With the gradient
+    stack kept whole (`zero.grads_whole`) the MoE layer's expert gradients are all-reduced
+    inside the layer loop where the experts are replicated over a data axis (dp, sp: the ep x tp
+    shards leave copies): their reduced copy is alive beside them (none where ep x tp covers
+    every device)."""
     if not spec.moe or not spec.model.scan_layers:
         return []
     experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
@@ -204,7 +206,8 @@ def memory(spec) -> list[Term]:
     out = lowering + [Term("backward", layer, "one MoE layer's expert weights, sliced out of "
                            "the stack")]
     if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1 \
-            and not common.sync_axes(spec) and not remat.active(spec):
+            and not remat.active(spec) and not (common.sync_axes(spec) and spec.deg("ep") == 1
+                                                and spec.deg("pp") == 1):
         out.append(Term("backward", local * spec.held_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
                         "ragged_dot's CPU lowering over several local experts"))
