@@ -17,6 +17,7 @@ from jaxscale.analysis import inspect
 from jaxscale.analysis.validation import tiny_config
 from jaxscale.strategies import local_sgd
 from jaxscale.strategies.local_sgd import fragments
+from jaxscale.strategies.pp.stages import stored_order
 from jaxscale.train.setup import build
 from tests import numerics
 from tests.test_local_sgd import DP8, SGD, batch, host
@@ -149,7 +150,7 @@ def test_fragments_under_a_pipeline_average_the_models_layers(layers, slots):
             "optim.warmup_steps=0", *STREAM)
     piped = ("mesh.dp=2", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=1", *data)
     spec = plan.Spec.from_config(tiny_config(*piped), 8)
-    assert fragments.selection(fragments.stored_order(spec), 2, 2) == slots
+    assert fragments.selection(stored_order(spec), 2, 2) == slots
     got = numerics.run(piped, steps=4)
     ref = numerics.run(("mesh.dp=2", "mesh.pp=1", "mesh.fsdp=1", "mesh.tp=1", *data),
                        jax.devices()[:2], steps=4)

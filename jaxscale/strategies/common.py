@@ -252,6 +252,12 @@ def sync_axes(spec) -> tuple[str, ...]:
     return tuple(a for a in MESH_AXES if a in axes)
 
 
+def manual_data_axes(spec) -> tuple[str, ...]:
+    """The data axes the step runs manual over: the data region's (`sync_axes`), or dp under
+    local SGD (a replica's own step)."""
+    return ("dp",) if spec.local_sgd != "none" else sync_axes(spec)
+
+
 #: the batch key of the spike guard's loss limit: a replicated fp32 scalar the loop adds to each
 #: training batch under `train.spike_policy=skip` (`jaxscale.train.spikes`)
 LOSS_LIMIT = "loss_limit"

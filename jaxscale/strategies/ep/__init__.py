@@ -149,7 +149,7 @@ def _stat_axes(spec) -> tuple[str, ...]:
     """The data axes a MoE layer averages its balance statistics over (`models.moe.balance_loss`
     via `axes.data_mean`): those the step runs manual over, the data region's (`common.sync_axes`)
     and dp under local SGD (its replicas' step)."""
-    manual = set(common.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    manual = common.manual_data_axes(spec)
     return tuple(a for a in MESH_AXES if a in manual and a in DATA_AXES and spec.deg(a) > 1)
 
 
@@ -158,7 +158,7 @@ def _token_axes(spec) -> tuple[str, ...]:
     less those of the data region the step runs in (`common.sync_axes`), and dp under local SGD (a
     replica's step, manual over dp): they sum the statistics once, with the loss."""
     axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
-    once = set(common.sync_axes(spec)) | ({"dp"} if spec.local_sgd != "none" else set())
+    once = common.manual_data_axes(spec)
     return tuple(a for a in MESH_AXES if a in axes and a not in once)
 
 
@@ -170,18 +170,12 @@ def memory(spec) -> list[Term]:
     pipeline stage, whose B op replays from fsdp's one gathered layer: dp2 x pp2 x fsdp2 full
     remat, the planner 1.23 -> 1.03 of the compiled temp without it); without FSDP the backward
     of a scanned MoE layer holds a copy of the layer's expert weights sliced out of the stack;
-    `ragged_dot`'s CPU lowering over several local experts holds the stacked expert gradient
-    twice (dp2 x ep4, ep8, dp8, dp2 x fsdp2 x tp2 dropless) where XLA partitions the step, once
-    where the gradients are computed in the data region with every expert on each device and no
-    pipeline (`common.sync_axes`, ep = pp = 1: dp8 fp8 with the sparse embedding or 2 micro-
-    batches, 0.99-1.06 of the compiled temp without the copy, 1.31-1.39 with it; over ep2 or a
-    pipeline the copy stays: dp2 x ep2 x sp2 at 0.77 without it) or the layer is replayed (any
-    remat policy: dp8 and dp4 x ep2 full, save_dots, offload at 0.86-1.06 without it, 1.15-1.47
-    with it), and the masked buffers of its dense matmul (`dense_experts`). With the gradient
-    stack kept whole (`zero.grads_whole`) the MoE layer's expert gradients are all-reduced
-    inside the layer loop where the experts are replicated over a data axis (dp, sp: the ep x tp
-    shards leave copies): their reduced copy is alive beside them (none where ep x tp covers
-    every device)."""
+    `ragged_dot`'s CPU lowering over several local experts may hold the stacked expert gradient
+    twice (`_stack_copied`), and the masked buffers of its dense matmul (`dense_experts`). With
+    the gradient stack kept whole (`zero.grads_whole`) the MoE layer's expert gradients are
+    all-reduced inside the layer loop where the experts are replicated over a data axis (dp, sp:
+    the ep x tp shards leave copies): their reduced copy is alive beside them (none where ep x
+    tp covers every device)."""
     if not spec.moe or not spec.model.scan_layers:
         return []
     experts = [leaf for leaf in leaves(spec.model) if "experts" in leaf.axes]
@@ -205,9 +199,7 @@ def memory(spec) -> list[Term]:
     layer = local / spec.model.n_layers * spec.held_param_itemsize
     out = lowering + [Term("backward", layer, "one MoE layer's expert weights, sliced out of "
                            "the stack")]
-    if ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1 \
-            and not remat.active(spec) and not (common.sync_axes(spec) and spec.deg("ep") == 1
-                                                and spec.deg("pp") == 1):
+    if _stack_copied(spec):
         out.append(Term("backward", local * spec.held_param_itemsize,
                         "the expert gradient stack again: updated out of place under "
                         "ragged_dot's CPU lowering over several local experts"))
@@ -216,6 +208,20 @@ def memory(spec) -> list[Term]:
         out.append(Term("backward", layer, "one MoE layer's expert gradients all-reduced over "
                         "the replica axes inside the layer loop"))
     return out
+
+
+def _stack_copied(spec) -> bool:
+    """Whether the backward holds the stacked expert gradient twice, updated out of place under
+    `ragged_dot`'s CPU lowering over several local experts: where XLA partitions the step (dp2 x
+    ep4, ep8, dp8, dp2 x fsdp2 x tp2 dropless). Not where the layer is replayed (any remat
+    policy: dp8 and dp4 x ep2 full, save_dots, offload at 0.86-1.06 of the compiled temp without
+    the copy, 1.15-1.47 with it), nor in the data region with every expert on each device and no
+    pipeline (`common.sync_axes`, ep = pp = 1: dp8 fp8 with the sparse embedding or 2
+    micro-batches, 0.99-1.06 without it, 1.31-1.39 with it; over ep2 or a pipeline the copy
+    stays: dp2 x ep2 x sp2 at 0.77 without it)."""
+    region = bool(common.sync_axes(spec)) and spec.deg("ep") == spec.deg("pp") == 1
+    return (ragged_dense(spec) and spec.model.moe_experts // spec.deg("ep") > 1
+            and not remat.active(spec) and not region)
 
 
 def dense_experts(spec) -> float:

@@ -87,7 +87,7 @@ def rows(m: int, p: int, F: int) -> int:
 
 def selection(order, stages: int, F: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
     """For each fragment p, each block's rows whose layer is p mod F (`order`: stored row ->
-    model layer, -1 padding, `stored_order`); None where the blocks' stride p::F is that
+    model layer, -1 padding, `stages.stored_order`); None where the blocks' stride p::F is that
     already (then padding rows go with their stride): a block's rows a multiple of F, or one
     block. (Even stages of m rows, m not a multiple of F, are not: 2 layers on pp2 in F = 2
     put layer 1 in row 0 of its block, fragment 1's, not the stride's 0.)"""
@@ -99,14 +99,6 @@ def selection(order, stages: int, F: int) -> tuple[tuple[tuple[int, ...], ...], 
     return tuple(tuple(tuple(r for r in range(m) if 0 <= order[s * m + r]
                              and order[s * m + r] % F == p) for s in range(stages))
                  for p in range(F))
-
-
-def stored_order(spec) -> list[int]:
-    """Stored row -> model layer of the plan's layer stack (`stages.layer_order`, which says
-    None for the model's own order)."""
-    from jaxscale.strategies.pp.stages import layer_order
-    order = layer_order(spec)
-    return list(range(spec.model.n_layers)) if order is None else order
 
 
 def part_shape(shape, o: int, F: int, p: int, stages: int = 1, sel=None) -> tuple[int, ...]:
@@ -122,6 +114,7 @@ def group_shapes(spec) -> list[list[tuple[int, ...]]]:
     """Each group's parts as a device holds them (its shards of every leaf part, a stacked
     leaf's rows p::F of the rows it stores), in the order of `groups`: what one average of that
     group takes (with F = 1 one group, every leaf whole)."""
+    from jaxscale.strategies.pp.stages import stored_order
     from jaxscale.strategies.tables.params import leaves
     F, H = spec.outer_fragments, max(1, spec.local_steps)
     sel = selection(stored_order(spec), spec.deg("pp"), F)
@@ -167,10 +160,11 @@ class Cut:
     def of(cls, params, F: int, stages: int = 1, spec=None) -> Cut:
         """The cut of a parameter tree, from its paths: a leaf under "layers/" without a layer
         number is a layer stack (the model's "layers" logical axis); `spec`: the plan whose
-        pipeline stores the rows (`stored_order`; without one the rows are the model's layers
-        in order)."""
+        pipeline stores the rows (`stages.stored_order`; without one the rows are the model's
+        layers in order)."""
         import jax
 
+        from jaxscale.strategies.pp.stages import stored_order
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
         owners = tuple(owner(path, path.startswith("layers/")

@@ -188,6 +188,12 @@ def layer_order(spec) -> list[int] | None:
     return None if order is None else list(order)
 
 
+def stored_order(spec) -> list[int]:
+    """`layer_order` spelled out: stored row -> model layer, the model's own order included."""
+    order = layer_order(spec)
+    return list(range(spec.model.n_layers)) if order is None else order
+
+
 @functools.lru_cache(maxsize=256)
 def _order(c: tuple[int, ...], where: tuple[int, ...], p: int) -> tuple[int, ...] | None:
     r, start = max(c), offsets(c)

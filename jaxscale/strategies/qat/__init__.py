@@ -201,8 +201,7 @@ def gradient_unit(spec) -> int:
     grads function differentiates the token sum over its rows' slots, so inside a data region
     (`common.sync_axes`; local SGD's replicas over dp) by the region's data degree."""
     from jaxscale.strategies import common
-    axes = ("dp",) if spec.local_sgd != "none" else common.sync_axes(spec)
-    return math.prod(spec.deg(a) for a in axes)
+    return math.prod(spec.deg(a) for a in common.manual_data_axes(spec))
 
 
 def init_state(spec):

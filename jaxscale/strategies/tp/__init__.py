@@ -174,8 +174,8 @@ def _w_regathers(spec) -> float:
     at (t-1)/t of two [micro-batch, seq, dim] arrays per layer and tape slot. Under fp8 QAT
     (its scales read in W, not its amaxes) W's replayed forward gathers each column group's
     input too (GSPMD's gathers; collective matmul's rings are `overlap.w_rings`), one per row
-    matmul's group (the attention's, the MLP's): twice as many (pp2 x
-    fsdp2 x tp2 ZB-V, generated seed 1224: all-gather tp 0.81 of the compiled without them)."""
+    matmul's group (the attention's, the MLP's): twice as many (pp2 x fsdp2 x tp2 ZB-V,
+    generated seed 1224: all-gather tp 0.81 of the compiled without them)."""
     from jaxscale.strategies.pp.schedules import SPLIT
     if spec.deg("pp") == 1 or spec.schedule not in SPLIT:
         return 0.0
