@@ -20,13 +20,15 @@ the two gathering rings again for the weight gradients (nothing inside the colle
 kept, as GSPMD re-gathers the norm outputs: the same activation memory), one reverse ring per
 group for its input gradient (the group's three or two partial products summed per chunk
 before it travels: the backward of a permute is the reverse permute), and one per row matmul.
-A rematerialised block also replays the o ring unless it keeps `o_proj` (its replayed input
-rings are the weight gradients' rings). With `plan.qat` the same rings carry 8-bit operands
-(`quantised`; bytes per ring in `rings`). Same wire bytes and memory as GSPMD's sequence
-parallelism; what it buys is that every hop has an independent partial matmul to hide under,
-where GSPMD's all-gather must finish before its matmul starts and its reduce-scatter cannot
-start before the matmul ends (`experiments/11_overlap.py` measures both from the scheduled
-HLO). What it costs: t smaller matmuls in place of one.
+A rematerialised block also replays the o ring unless it keeps `o_proj` (save_dots keeps the
+chunks' partial dots, not their sum: it replays it), and its input rings, which XLA merges with
+the weight gradients' where one backward of one layer runs both (a pipeline stage's loop of
+layers and a split schedule's B pass run them apart: `replayed_apart`). With `plan.qat` the
+same rings carry 8-bit operands (`quantised`; bytes per ring in `rings`). Same wire bytes and
+memory as GSPMD's sequence parallelism; what it buys is that every hop has an independent
+partial matmul to hide under, where GSPMD's all-gather must finish before its matmul starts and
+its reduce-scatter cannot start before the matmul ends (`experiments/11_overlap.py` measures
+both from the scheduled HLO). What it costs: t smaller matmuls in place of one.
 
 `plan.xla_preset` names a set of XLA compiler options for the train step (`XLA_PRESETS`, passed
 to `jax.jit(compiler_options=...)`, so no environment flag has to be set before the backend
@@ -129,7 +131,10 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
     - plain: forward, one ring per column group's input and one per row-parallel matmul;
       backward, the groups' input rings again for the weight gradients, one reverse ring per
       group for its summed input gradient, one per row matmul; a rematerialised block replays
-      the o ring unless it keeps `o_proj` (its replayed input rings are the weight gradients').
+      the o ring unless it keeps `o_proj` (save_dots keeps the chunks' partial dots, so it
+      replays the ring summing them: measured on dp2 x tp4 and in pipeline stages), and its
+      groups' input rings, which are the weight gradients' rings only where one backward runs
+      both on one layer (`replayed_apart`).
     - int8: forward, the groups' rings carry the int8 chunk and its per-token fp32 scales (two
       permutes per hop), the row rings s32 partial dots; backward, the plain rings; a
       rematerialised block replays its int8 input rings (not the plain ones of dW) and the o
@@ -139,7 +144,9 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
       reduce-scattering rings (row forward, the groups' input gradients) partial dots in the
       compute dtype."""
     c, q = spec.wire_compute_itemsize, spec.qat
-    replay_o = parse(spec.remat) != "none" and actions(spec.remat)["o_proj"] == "remat"
+    # save_dots keeps each chunk's partial dot, not the o ring's sum: the replay runs the ring
+    replay_o = parse(spec.remat) == "save_dots" or (parse(spec.remat) != "none"
+                                                    and actions(spec.remat)["o_proj"] == "remat")
     mlp = _dense_mlp(spec)
     n_in = n_row = INPUT_RINGS / 2 * (1 + mlp)
     if q == "int8":
@@ -155,6 +162,30 @@ def rings(spec) -> list[tuple[str, int, float, int]]:
            ("dW inputs", n_in, e8, 1), ("input gradients", n_in, c, 1),
            ("row gradients", n_row, e8, 1)]
     return out + ([("o replayed", 1, c, 1)] if replay_o else [])
+
+
+def replayed_apart(spec) -> float:
+    """Input rings per layer a rematerialised pipeline stage replays beside its weight
+    gradients' rings. A block whose remat policy recomputes a column group's outputs (q, k, v;
+    gate, up) replays that group's input ring; one backward of one layer shares it with the
+    weight gradients' ring (the same permutes of the same chunk, which XLA merges). A split
+    schedule (ZB-H1, ZB-V) takes the weight gradients in its W pass, from the tape, so the
+    B pass's replay is a ring of its own on every layer; a 1F1B, GPipe or interleaved stage op
+    of two or more layers replays its layers in a loop of its own, whose rings XLA does not
+    merge with the backward's (measured: ops of one layer share them, 1F1B on pp2 x tp4 with 2
+    layers and interleaved with 4; ops of 2 and 3 layers do not: 13 rings per layer where 11
+    are needed). None is needed (the minimum shares them); int8's replayed rings are its own
+    (`rings`)."""
+    from jaxscale.strategies.pp.schedules import SPLIT
+    from jaxscale.strategies.pp.stages import counts_or_even
+    a = actions(spec.remat)
+    groups = (any(a[t] == "remat" for t in ("q_proj", "k_proj", "v_proj"))
+              + _dense_mlp(spec) * any(a[t] == "remat" for t in ("mlp_gate", "mlp_up")))
+    if spec.deg("pp") == 1 or not groups or spec.qat == "int8":
+        return 0.0
+    if spec.schedule in SPLIT:
+        return float(groups)
+    return groups * sum(n for n in counts_or_even(spec) if n >= 2) / spec.model.n_layers
 
 
 def _dense_mlp(spec) -> float:
@@ -184,6 +215,10 @@ def collectives(spec) -> list[Comm]:
     if w := w_rings(spec):
         out.append(row(w, "collective matmul under a split schedule's W pass (each matmul's "
                        "own backward, `hooks.projection.weight_grad`)", minimum=0.0))
+    if apart := replayed_apart(spec):
+        out.append(row([("inputs replayed", apart, _e8(spec), 1)], "collective matmul: a "
+                       "pipeline stage's replayed input rings beside its weight gradients'",
+                       minimum=0.0))
     return out
 
 
@@ -194,12 +229,13 @@ def w_rings(spec) -> list[tuple[str, float, float, int]]:
     column site gathers its input (q, k, v; gate, up: in e4m3 under fp8) where a group
     gathered once, and each row matmul's output-gradient ring runs again (e5m2 under fp8),
     where one ring served both of its backward products. None of them is needed: the minimum
-    is the unsplit backward's rings. Measured equal on dp2 x pp2 x tp2 ZB-H1 and ZB-V (fp32,
-    fp8) and pp2 x ep2 x tp2 ZB-H1 with MoE; int8's rings and a remat policy's replays are not
-    counted (full remat ZB-H1: 0.89x the compiled all-to-alls)."""
+    is the unsplit backward's rings. The W pass reads the tape, so a remat policy replays nothing
+    in it (its B pass's replay is `replayed_apart`), and int8 QAT's weight gradients are plain
+    matmuls: its W pass runs these same rings in the compute dtype. Measured equal on
+    dp2 x pp2 x tp2 ZB-H1 and ZB-V (fp32, fp8, int8 with fp16 and bf16) and pp2 x ep2 x tp2
+    ZB-H1 with MoE, with and without full remat."""
     from jaxscale.strategies.pp.schedules import SPLIT
-    if (spec.deg("pp") == 1 or spec.schedule not in SPLIT or spec.qat == "int8"
-            or parse(spec.remat) != "none"):
+    if spec.deg("pp") == 1 or spec.schedule not in SPLIT:
         return []
     mlp, e8 = _dense_mlp(spec), _e8(spec)
     n_in = INPUT_RINGS / 2 * (1 + mlp)

@@ -138,7 +138,7 @@ def problems(spec) -> list[str]:
 
 def rows(spec) -> int:
     """Stored rows of each chunk: the largest stage's layers."""
-    return max(_counts_or_even(spec))
+    return max(counts_or_even(spec))
 
 
 def stored_layers(spec) -> int:
@@ -150,7 +150,7 @@ def stored_layers(spec) -> int:
 
 def device_layers(spec) -> list[int]:
     """The real layers each device holds (the sum of its stages')."""
-    c, where = _counts_or_even(spec), placement(spec)
+    c, where = counts_or_even(spec), placement(spec)
     out = [0] * spec.deg("pp")
     for s, n in enumerate(c):
         out[where[s]] += n
@@ -163,7 +163,7 @@ def device_counts_or_even(spec) -> list[int]:
     return device_layers(spec) if spec.deg("pp") > 1 else [spec.model.n_layers]
 
 
-def _counts_or_even(spec) -> tuple[int, ...]:
+def counts_or_even(spec) -> tuple[int, ...]:
     try:
         return counts(spec)
     except ValueError:                     # reported by `problems`; the planner still predicts
