@@ -99,13 +99,6 @@ KNOWN = [
      "compiled temp); on tp4 with Megatron SP the compiled temp holds 140-170 kB the planner "
      "lacks in fp32 and fp16 alike (dp2 x tp4: 0.95 fp32 with collective matmul, 0.90 fp16), "
      "which with pruning's unmasked weights and fp16's smaller total falls past 15% (0.80-0.82)"),
-    ("collective matmul replayed in a pipeline stage", lambda r: r["failure"] == "census"
-     and "collective matmul" in r["options"] and r["mesh"].get("pp", 1) > 1
-     and bool({"full remat", "QAT int8"} & set(r["options"])),
-     "under full remat a 1F1B stage's backward runs the column groups' input rings twice (13 "
-     "rings per layer and micro-batch where the formula counts 11; save_dots one more, an "
-     "interleaved stage none: the replays XLA merges differ by schedule), and int8's W pass "
-     "replays its int8 rings beside the plain ones of the weight gradients: not counted"),
     ("16-bit pipeline residuals", lambda r: r["failure"] == "memory" and (r["temp"] or 1) < 1
      and r["mesh"].get("pp", 1) > 1 and {"bf16", "fp16"} & set(r["options"]),
      "a pipeline's residual slots under a 16-bit policy: the planner halves every residual, "
