@@ -17,6 +17,7 @@ from jaxscale.strategies import prune, sparse_embedding
 from jaxscale.strategies.prune import masking as prune_step
 from jaxscale.strategies.tables.params import contracted_axes
 from jaxscale.train.setup import build
+from tests import numerics
 
 DP8 = ("mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1")
 MIX = ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2")
@@ -152,6 +153,40 @@ def test_zero1_masks_its_shards_before_the_gather():
     for name, names, w in pruned(jax.tree.map(np.asarray, state.params), s.model.logical):
         groups = np.moveaxis(w, contracted_axes(names)[-1], -1).reshape(-1, 4)
         assert np.all(np.sum(groups != 0, axis=1) == 2), name
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_splits_a_pruned_weight_where_its_groups_stay_whole(zero):
+    """2:4 under ZeRO-1/2 on dp4 x tp2 with heads 8 wide: the first dimension dp divides in wo
+    is head_dim, 2 per device, half a group (refused before: generated seed 1185), so ZeRO
+    splits its embed dimension (16 per device) instead. The state is laid out as the planner's
+    target partition of every pruned weight; 3 updates match one device's; after each, exactly
+    2 of every 4 input weights are kept; the census is the formula."""
+    shape = ("model.dim=64", "model.n_heads=8", "model.n_kv_heads=4", "plan.prune=2:4")
+    over = (*shape, "mesh.dp=4", "mesh.fsdp=1", "mesh.tp=2", f"plan.zero={zero}")
+    spec = plan.validate(tiny_config(*over), 8)
+    by_path = {leaf.path: leaf for leaf in prune.pruned_leaves(spec.model)}
+    assert tuple(prune.target_partition(spec, by_path["layers/attn/wo"])) == (
+        None, "tp", None, "dp")                 # [layers, heads, head_dim, embed]
+    got = numerics.run(over)
+    layout, checked = got.setup.layout.specs, set()
+    for (path, sp), names in zip(
+            jax.tree_util.tree_flatten_with_path(layout.shards,
+                                                 is_leaf=lambda x: isinstance(x, P))[0],
+            jax.tree.leaves(got.setup.model.logical, is_leaf=lambda x: isinstance(x, P))):
+        if prune.is_pruned(path, names):
+            key = "layers/" + "/".join(str(k.key) for k in path[1:])
+            assert tuple(sp) == tuple(prune.target_partition(spec, by_path[key])), key
+            checked.add(key)
+    assert checked == set(by_path)
+    numerics.assert_matches(got, numerics.one_device(*shape), numerics.PRUNED)
+    for params in got.params:
+        for name, names, w in pruned(params, got.setup.model.logical):
+            groups = np.moveaxis(w, contracted_axes(names)[-1], -1).reshape(-1, 4)
+            assert np.all(np.sum(groups != 0, axis=1) == 2), name
+    census = inspect.census(got.text, got.setup.placement.mesh)
+    for r in inspect.theory_vs_census(plan.collectives(spec), census):
+        assert r["census_bytes"] == pytest.approx(r["theory_bytes"], rel=0.02), r
 
 
 # ----------------------------------------------------------------------------- sparse embedding

@@ -126,8 +126,10 @@ def dtype_bytes(dtype: str) -> int:
 #: what a strategy may set in `StepParts` (each part by one strategy): who sets it, and what it is
 PARTS = {
     "policy": "precision: the `precision.Policy` (dtypes, master weights, loss scaling)",
-    "state_specs": "zero: (model specs, shapes, axis sizes) -> `zero.StateSpecs`, the mesh "
-                   "specs of each part of the train state",
+    "state_specs": "zero: (model specs, shapes, axis sizes, keep) -> `zero.StateSpecs`, the "
+                   "mesh specs of each part of the train state",
+    "state_keep": "prune: (key path, logical names) -> {dimension: M} a ZeRO split of the "
+                  "parameter keeps in whole groups of M (N:M pruning's), or None",
     "memory_kinds": "offload: {part of the train state: the memory kind it lives in between "
                     "steps} for the parts kept in host memory",
     "layer_order": "pp: the stored order of the stacked layers (None: the model's)",
@@ -187,6 +189,7 @@ class StepParts:
     one logical axis are."""
     policy: object = None
     state_specs: Callable | None = None
+    state_keep: Callable | None = None
     memory_kinds: dict = field(default_factory=dict)
     layer_order: list | None = None
     state_optimizer: Callable | None = None

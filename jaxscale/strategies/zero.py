@@ -9,12 +9,15 @@
 
 Each sharded tensor is split over `dp` on one dimension: the one FSDP already shards, else the
 first unsharded dimension that `dp` divides; a tensor with no such dimension stays replicated
-(norm scales of odd sizes, say). On the fsdp dimension stages 1 and 2 nest the axes as
-('fsdp', 'dp'): dp splits each fsdp shard, so a device's ZeRO piece is a slice of the
-fsdp-major gradients and parameters it already holds, and the new parameters' gather over dp
-lands in fsdp's layout, with no re-layout (nested the other way, XLA moved every such value with
-a collective-permute over (dp, fsdp): up to 714 KB per step on the tiny 2x2x2 mesh). Stage 3
-keeps ('dp', 'fsdp'), the order FSDP gathers over and the batch is split in.
+(norm scales of odd sizes, say). A dimension another strategy needs in whole groups per device
+(`keep`: N:M pruning's groups along a weight's input features, `prune.masking.group_keep`) is
+split only where each shard still holds whole groups, else the next dimension is taken. On
+the fsdp dimension stages 1 and 2 nest the axes as ('fsdp', 'dp'): dp splits each fsdp shard,
+so a device's ZeRO piece is a slice of the fsdp-major gradients and parameters it already
+holds, and the new parameters' gather over dp lands in fsdp's layout, with no re-layout (nested
+the other way, XLA moved every such value with a collective-permute over (dp, fsdp): up to
+714 KB per step on the tiny 2x2x2 mesh). Stage 3 keeps ('dp', 'fsdp'), the order FSDP gathers
+over and the batch is split in.
 Saves: the state above, per device. Costs, in collectives per step: stage 1 all-reduces
 gradients (2 Psi), updates its shard and all-gathers the new parameters (Psi); stage 2
 reduce-scatters gradients (Psi) and all-gathers parameters (Psi): 2 Psi; stage 3 all-gathers
@@ -105,18 +108,19 @@ def shard_factor(spec, part: str) -> int:
 
 
 def shard_spec(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
-               axis: str = AXIS):
+               axis: str = AXIS, keep: dict[int, int] | None = None):
     """The PartitionSpec `partition` with `axis` added on one dimension (see module docstring): at
     stages 1 and 2 after the axes already there (it splits each of their shards), at stage 3 before
     them."""
     from jax.sharding import PartitionSpec as P
-    return P(*shard_entries(partition, shape, axis_sizes, zero_stage, axis))
+    return P(*shard_entries(partition, shape, axis_sizes, zero_stage, axis, keep))
 
 
 def shard_entries(partition, shape: tuple[int, ...], axis_sizes: dict[str, int], zero_stage: int,
-                  axis: str = AXIS) -> list:
+                  axis: str = AXIS, keep: dict[int, int] | None = None) -> list:
     """`shard_spec`'s entries, one per dimension (None, a mesh axis or a tuple of them), without
-    JAX (the planner's formulas read them)."""
+    JAX (the planner's formulas read them). `keep`: {dimension: M} whose shards must stay
+    multiples of M; where no dimension allows that, the first that `axis` divides."""
     n = axis_sizes.get(axis, 1)
     entries = list(partition) + [None] * (len(shape) - len(partition))
     if n == 1 or any(axis in entry_axes(e) for e in entries):
@@ -126,7 +130,8 @@ def shard_entries(partition, shape: tuple[int, ...], axis_sizes: dict[str, int],
         return shape[i] // math.prod(axis_sizes[a] for a in entry_axes(entries[i]))
     order = [i for i, e in enumerate(entries) if "fsdp" in entry_axes(e)]
     order += [i for i, e in enumerate(entries) if e is None]
-    for i in order:
+    whole = [i for i in order if local(i) % (n * (keep or {}).get(i, 1)) == 0]
+    for i in whole + order:
         if local(i) % n == 0:
             nest = (entry_axes(entries[i]) + (axis,) if zero_stage < 3
                     else (axis,) + entry_axes(entries[i]))
@@ -144,15 +149,20 @@ class StateSpecs:
     grads: object           # the reduced gradients (ZeRO-2+: sharded over dp)
 
 
-def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int]) -> StateSpecs:
+def state_specs(zero_stage: int, model_specs, shapes, axis_sizes: dict[str, int],
+                keep=None) -> StateSpecs:
     """Each state part's specs from the model's parameter specs and shapes (trees of
-    PartitionSpec and shaped leaves)."""
+    PartitionSpec and shaped leaves); `keep`: a tree of `shard_entries`' keep per leaf (the
+    step part `state_keep`), or None."""
     import jax
     from jax.sharding import PartitionSpec as P
     if not zero_stage:
         return StateSpecs(model_specs, model_specs, model_specs, model_specs)
-    sharded = jax.tree.map(lambda sp, a: shard_spec(sp, a.shape, axis_sizes, zero_stage),
-                           model_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+    if keep is None:
+        keep = jax.tree.map(lambda _: None, model_specs, is_leaf=lambda x: isinstance(x, P))
+    sharded = jax.tree.map(lambda sp, a, k: shard_spec(sp, a.shape, axis_sizes, zero_stage,
+                                                       keep=k),
+                           model_specs, shapes, keep, is_leaf=lambda x: isinstance(x, P))
     return StateSpecs(params=sharded if zero_stage >= 3 else model_specs, model=model_specs,
                       shards=sharded, grads=sharded if zero_stage >= 2 else model_specs)
 

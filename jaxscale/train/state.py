@@ -151,7 +151,9 @@ class StateLayout:
 
 def layout(model: FunctionalModel, placement, parts) -> StateLayout:
     sizes = dict(zip(placement.mesh.axis_names, placement.mesh.devices.shape))
-    specs = parts.state_specs(model.param_specs(placement), model.abstract_params, sizes)
+    keep = None if parts.state_keep is None else jax.tree_util.tree_map_with_path(
+        parts.state_keep, model.logical, is_leaf=is_partition)
+    specs = parts.state_specs(model.param_specs(placement), model.abstract_params, sizes, keep)
     return StateLayout(specs=specs, master=parts.policy.master,
                        loss_scale=parts.policy.loss_scale is not None,
                        memory_kinds=dict(parts.memory_kinds), layer_order=parts.layer_order)

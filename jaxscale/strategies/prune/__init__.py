@@ -44,7 +44,12 @@ import math
 from jaxscale.axes import entry_axes
 from jaxscale.strategies import zero
 from jaxscale.strategies.common import Comm, Term
-from jaxscale.strategies.prune.masking import _own_split, is_pruned, parse  # noqa: F401
+from jaxscale.strategies.prune.masking import (  # noqa: F401
+    _own_split,
+    group_keep,
+    is_pruned,
+    parse,
+)
 from jaxscale.strategies.tables.params import STACKED, contracted_axes, leaves
 
 NAME = "prune"
@@ -110,8 +115,16 @@ def target_partition(spec, leaf):
     model = spec.rules.spec(leaf.axes)
     z = zero.stage(spec)
     if z >= 1:
-        return zero.shard_spec(model, leaf.shape, spec.degrees, z)
+        return zero.shard_spec(model, leaf.shape, spec.degrees, z, keep=keep(spec, leaf.axes))
     return model
+
+
+def keep(spec, names) -> dict[int, int] | None:
+    """What ZeRO-1/2's split of a pruned weight keeps whole (`group_keep`): N:M's groups along
+    its input features, so that each dp shard masks its own groups. ZeRO-3's dp dimension is the
+    one every gather of the weights reads (`zero.shard_entries` without it), so there `problems`
+    refuses a split that cuts the groups."""
+    return group_keep(spec.prune, names) if zero.stage(spec) in (1, 2) else None
 
 
 def collectives(spec) -> list[Comm]:
@@ -170,9 +183,13 @@ def label(spec) -> list[str]:
 # ----------------------------------------------------------------------------- the step side
 def shape_step(spec, parts) -> None:
     """The step: the updated weights masked for the updates done (`pruner`), on the shards of
-    what the update targets (the fp32 master where there is one)."""
+    what the update targets (the fp32 master where there is one); under ZeRO-1/2 with N:M, the
+    dp split of each pruned weight keeps its groups whole (`state_keep`, from `keep`)."""
     if active(spec):
         from jaxscale.strategies.prune.masking import pruner
+        if parse(spec.prune)[0] == "nm" and zero.stage(spec) in (1, 2):
+            parts.set("state_keep", lambda path, names: keep(spec, tuple(names))
+                      if is_pruned(path, tuple(names)) else None, by=NAME)
         parts.set("after_update", lambda ctx: pruner(
             spec, ctx.model.logical, ctx.placement.mesh,
             ctx.lay.specs.shards if zero.stage(spec) or ctx.lay.master

@@ -24,6 +24,18 @@ def parse(value: str):
                      f"(e.g. 2:4)")
 
 
+def group_keep(prune: str, names) -> dict[int, int] | None:
+    """{the innermost contracted dimension: M} of a weight with logical `names` under N:M
+    pruning (a split of that dimension must leave whole groups of M on each device: what ZeRO's
+    choice of dimension keeps, `zero.shard_entries`), else None."""
+    try:
+        kind = parse(prune)
+    except ValueError:
+        return None
+    axes = contracted_axes(tuple(names)) if kind and kind[0] == "nm" else None
+    return None if axes is None else {axes[-1]: kind[2]}
+
+
 def is_pruned(path, names) -> bool:
     """A parameter (its key path, its logical names) that pruning masks."""
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
