@@ -113,6 +113,19 @@ def test_tolerances_of_several_sources_add_and_part_the_weights():
         2e-5 + 3e-2 + 3e-5 + 8 / 254 + 2 ** -3)                   # fp32's 1e-5 x 4 / 2
 
 
+def test_a_longer_run_widens_the_loss_and_weight_bounds_not_the_gradients():
+    """`Tolerance.over`: local SGD's checks run 6 updates (its first average and a step), past
+    the 3 the bounds are stated for; the loss and weight bounds grow with the updates, the
+    gradients' (one update's, at equal weights) does not."""
+    from jaxscale.analysis import harness as N
+    zpp = N.ZEROPP["qwz+qgz"]
+    six = zpp.over(6)
+    assert (six.loss, six.params_mean, six.grads) == (2 * zpp.loss, 2 * zpp.params_mean,
+                                                      zpp.grads)
+    assert six.params_max is None and N.FP32.over(6).params_max == 2 * N.FP32.params_max
+    assert N.FP32.over(N.STEPS) == N.FP32 == N.FP32.over(2)
+
+
 def test_fp32_bound_grows_with_the_sums_split_and_stays_far_below_a_lost_reduction():
     """`generate.fp32`: FP32's 1e-5 of a leaf's largest gradient for up to two reordered sums
     (the mesh axes a gradient's sum is split over, and the micro-batches), half of it for each

@@ -233,7 +233,8 @@ def check(case: Case) -> Result:
         got = harness.run(case.overrides(), steps=steps)
         ref_ov, n = reference(case)
         ref = harness.run(ref_ov, jax.devices()[:n], steps=steps)
-        bad, res.numerics = harness.problems(got, ref, tolerance(case), same_weights=True)
+        bad, res.numerics = harness.problems(got, ref, tolerance(case).over(steps),
+                                             same_weights=True)
         cmp = validation.compare(planner.predict(cfg), inspect.report(cfg))
     except Exception as e:      # noqa: BLE001 - a case that does not build is a result too
         res.failure = "error"

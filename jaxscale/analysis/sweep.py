@@ -108,6 +108,17 @@ KNOWN = [
      "not kept. It grows with the scores' share: with 20 heads of 8 a 1F1B step compiles "
      "larger in bf16 than in fp32 (dp2 x pp2 x tp2: 7.99 MB against 7.60; dp4 x pp2: 10.15 "
      "against 9.33), with 6 heads of 16 (ZB-H1) 0.5 MB smaller"),
+    ("XLA:CPU collectives launched out of order", lambda r: r["failure"] == "crash"
+     and "Termination timeout" in r["detail"],
+     "XLA:CPU runs a program's thunks as their data become ready, each device on its own, and a "
+     "collective holds a pool thread (8, one per simulated device) until its group arrives. "
+     "Streaming DiLoCo overlaps its delayed average with the inner step inside each branch of "
+     "its switch, and with ZeRO++'s per-weight gathers many collectives are ready at once: the "
+     "two devices of an fsdp pair entered two different gathers of one branch and the other "
+     "six waited in the average's all-reduce, every thread blocked (the collectives' timeout "
+     "ends the process). The same case passes on a re-run (seed 1286: 1 of 2 runs of its "
+     "command, 3 of 3 in one process); a GPU issues each device's collectives in the "
+     "program's order"),
     ("16-bit ring attention on XLA:CPU", lambda r: r["failure"] == "memory"
      and (r["temp"] or 1) > 1 and "ring" in r["options"] and {"bf16", "fp16"} & set(r["options"]),
      "the planner holds bfloat16 activations f32-sized, as XLA:CPU does elsewhere, but a ring "
