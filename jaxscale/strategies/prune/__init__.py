@@ -187,9 +187,8 @@ def shape_step(spec, parts) -> None:
     dp split of each pruned weight keeps its groups whole (`state_keep`, from `keep`)."""
     if active(spec):
         from jaxscale.strategies.prune.masking import pruner
-        if parse(spec.prune)[0] == "nm" and zero.stage(spec) in (1, 2):
-            parts.set("state_keep", lambda path, names: keep(spec, tuple(names))
-                      if is_pruned(path, tuple(names)) else None, by=NAME)
+        parts.set("state_keep", lambda path, names: keep(spec, tuple(names))
+                  if is_pruned(path, tuple(names)) else None, by=NAME)
         parts.set("after_update", lambda ctx: pruner(
             spec, ctx.model.logical, ctx.placement.mesh,
             ctx.lay.specs.shards if zero.stage(spec) or ctx.lay.master
