@@ -212,6 +212,11 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
                         "...)"}) == "undiagnosed"      # fixed causes leave the list (fp32's)
     assert sweep.cause({**row, "failure": "crash", "options": ["bf16", "Megatron SP"]}) == \
         "undiagnosed"       # fixed causes leave the list (XLA:CPU's abort on SP's bf16 sums)
+    assert sweep.cause({**row, "failure": "crash", "detail": "F1207 rendezvous.cc:161] [id=0] "
+                        "Termination timeout for `all gather ..."}) == \
+        "XLA:CPU collectives launched out of order"
+    assert sweep.cause({**row, "failure": "census", "options": ["collective matmul", "full remat"],
+                        "detail": "all-to-all tp ..."}) == "undiagnosed"   # and a pipeline's rings
 
 
 def test_a_case_that_aborts_its_process_is_a_crash_not_the_sweeps_end():

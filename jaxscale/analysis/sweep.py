@@ -109,7 +109,7 @@ KNOWN = [
      "larger in bf16 than in fp32 (dp2 x pp2 x tp2: 7.99 MB against 7.60; dp4 x pp2: 10.15 "
      "against 9.33), with 6 heads of 16 (ZB-H1) 0.5 MB smaller"),
     ("XLA:CPU collectives launched out of order", lambda r: r["failure"] == "crash"
-     and "Termination timeout" in r["detail"],
+     and "Termination timeout" in r.get("detail", ""),
      "XLA:CPU runs a program's thunks as their data become ready, each device on its own, and a "
      "collective holds a pool thread (8, one per simulated device) until its group arrives. "
      "Streaming DiLoCo overlaps its delayed average with the inner step inside each branch of "
