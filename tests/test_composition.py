@@ -215,6 +215,10 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
     assert sweep.cause({**row, "failure": "crash", "detail": "F1207 rendezvous.cc:161] [id=0] "
                         "Termination timeout for `all gather ..."}) == \
         "XLA:CPU collectives launched out of order"
+    fp8 = {**row, "failure": "numerics", "options": ["QAT fp8", "tp"], "mesh": {"tp": 2},
+           "detail": "params_mean 0.00499 > 0.002 (worst: ...)"}
+    assert sweep.cause(fp8) == "fp8 QAT's roundings under tensor parallelism"
+    assert sweep.cause({**fp8, "mesh": {"dp": 8}}) == "undiagnosed"
     assert sweep.cause({**row, "failure": "census", "options": ["collective matmul", "full remat"],
                         "detail": "all-to-all tp ..."}) == "undiagnosed"   # and a pipeline's rings
 

@@ -91,6 +91,15 @@ KNOWN = [
      "expert weight's gradient 5% of its largest off at update 0), which no rounding bound "
      "covers; the check needs a bound by the share of tokens routed apart, as pruning's by "
      "masks flipped"),
+    ("fp8 QAT's roundings under tensor parallelism", lambda r: r["failure"] == "numerics"
+     and "QAT fp8" in r["options"] and r["mesh"].get("tp", 1) > 1
+     and r.get("detail", "").startswith("params_mean"),
+     "tp's row-parallel sums in another order flip e4m3 roundings of the next layer's inputs, "
+     "more of them the more reordered sums precede each quantisation: on one shape (dim 160, "
+     "10 heads over 2, 5 layers) 3 updates part the mean weights from one device's by 2e-6 lr "
+     "on dp8, 0.0016 on dp4 x tp2, 0.0024 on dp2 x pp2 x tp2 with SP, 0.0050 with ZeRO-1 "
+     "besides, against QAT_FP8's rare-flips bound of 0.001 (+ fp32's); the check needs a "
+     "bound by the share of roundings flipped, as pruning's by masks flipped"),
     ("float16 with tp and pruning on XLA:CPU", lambda r: r["failure"] == "memory"
      and "fp16" in r["options"] and (r["temp"] or 1) < 1 and "2:4 pruning" in r["options"]
      and r["mesh"]["tp"] > 1,
