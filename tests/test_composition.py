@@ -219,6 +219,11 @@ def test_a_failure_is_named_by_its_diagnosed_cause():
            "detail": "params_mean 0.00499 > 0.002 (worst: ...)"}
     assert sweep.cause(fp8) == "fp8 QAT's roundings under tensor parallelism"
     assert sweep.cause({**fp8, "mesh": {"dp": 8}}) == "undiagnosed"
+    low_rank = {**row, "failure": "numerics", "options": ["PowerSGD", "fsdp"],
+                "detail": "loss 0.0302 > 0.03 (worst: ...)"}
+    assert sweep.cause(low_rank) == "PowerSGD's loss on its bound"
+    assert sweep.cause({**low_rank, "detail": "loss 0.04 > 0.03; params_mean 2 > 1"}) == \
+        "undiagnosed"                           # only the loss at the bound
     assert sweep.cause({**row, "failure": "census", "options": ["collective matmul", "full remat"],
                         "detail": "all-to-all tp ..."}) == "undiagnosed"   # and a pipeline's rings
 

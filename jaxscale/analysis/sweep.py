@@ -100,6 +100,14 @@ KNOWN = [
      "on dp8, 0.0016 on dp4 x tp2, 0.0024 on dp2 x pp2 x tp2 with SP, 0.0050 with ZeRO-1 "
      "besides, against QAT_FP8's rare-flips bound of 0.001 (+ fp32's); the check needs a "
      "bound by the share of roundings flipped, as pruning's by masks flipped"),
+    ("PowerSGD's loss on its bound", lambda r: r["failure"] == "numerics"
+     and "PowerSGD" in r["options"] and r.get("detail", "").startswith("loss")
+     and ";" not in r["detail"].split(" (worst")[0],        # the loss bound alone
+     "rank-2 PowerSGD's own loss error after 3 updates sits at its 3% bound on wide shapes, "
+     "whatever the layout: on dim 160 with 20 heads, ffn 288 and 5 layers, 0.0298 on "
+     "dp2 x fsdp4, 0.0291 with a 1F1B pipeline, 0.0302 with ZB-V (the low-rank error is the "
+     "method's; the layouts move it by 0.001); the bound is a rank-2 heuristic, not derived "
+     "from the gradients' spectrum"),
     ("float16 with tp and pruning on XLA:CPU", lambda r: r["failure"] == "memory"
      and "fp16" in r["options"] and (r["temp"] or 1) < 1 and "2:4 pruning" in r["options"]
      and r["mesh"]["tp"] > 1,
