@@ -175,7 +175,7 @@ def test_zero_splits_a_pruned_weight_where_its_groups_stay_whole(zero):
                                                  is_leaf=lambda x: isinstance(x, P))[0],
             jax.tree.leaves(got.setup.model.logical, is_leaf=lambda x: isinstance(x, P))):
         if prune.is_pruned(path, names):
-            key = "layers/" + "/".join(str(k.key) for k in path[1:])
+            key = jax.tree_util.keystr(path, simple=True, separator="/")
             assert tuple(sp) == tuple(prune.target_partition(spec, by_path[key])), key
             checked.add(key)
     assert checked == set(by_path)

@@ -109,7 +109,6 @@ def collectives(spec) -> list[Comm]:
     L = spec.layers_per_device
     from jaxscale.strategies import prune
     from jaxscale.strategies import zero as zero_lib
-    pruned = prune.pruned_leaves(spec.model) if prune.active(spec) else []
     from jaxscale.strategies.zero import gather_axes, stored_spec
     from jaxscale.strategies.zeropp import reduced, region_axes
     quantised = reduced(spec)
@@ -181,7 +180,7 @@ def collectives(spec) -> list[Comm]:
             # or the head outside the scan, the dp shard is reduced over ep after
             whole = leaf.stacked and "dp" in entry_axes(zero_lib.shard_entries(
                 stored_spec(spec, leaf), leaf.shape, spec.degrees, zero,
-                keep=prune.keep(spec, leaf.axes) if leaf in pruned else None)[0])
+                keep=prune.leaf_keep(spec, leaf))[0])
             group = [a for a in rest if a in ("dp", "fsdp") or (a == "ep" and whole)]
             add("reduce-scatter", group, size, reps, "matmul weight gradients, ZeRO-2/3 "
                 "(dp nested in fsdp's dimension: one reduction group)")

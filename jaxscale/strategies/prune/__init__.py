@@ -60,9 +60,14 @@ def active(spec) -> bool:
     return spec.prune != "none"
 
 
+def is_pruned_leaf(leaf) -> bool:
+    """A planner leaf that is pruned: a matmul (`dot`) weight under `layers/`."""
+    return leaf.use == "dot" and leaf.path.startswith("layers/")
+
+
 def pruned_leaves(model) -> list:
-    """The planner's leaves that are pruned: the matmul (`dot`) weights under `layers/`."""
-    return [leaf for leaf in leaves(model) if leaf.use == "dot" and leaf.path.startswith("layers/")]
+    """The planner's leaves that are pruned (`is_pruned_leaf`)."""
+    return [leaf for leaf in leaves(model) if is_pruned_leaf(leaf)]
 
 
 def _group_axis(axes) -> int:
@@ -115,7 +120,7 @@ def target_partition(spec, leaf):
     model = spec.rules.spec(leaf.axes)
     z = zero.stage(spec)
     if z >= 1:
-        return zero.shard_spec(model, leaf.shape, spec.degrees, z, keep=keep(spec, leaf.axes))
+        return zero.shard_spec(model, leaf.shape, spec.degrees, z, keep=leaf_keep(spec, leaf))
     return model
 
 
@@ -125,6 +130,12 @@ def keep(spec, names) -> dict[int, int] | None:
     one every gather of the weights reads (`zero.shard_entries` without it), so there `problems`
     refuses a split that cuts the groups."""
     return group_keep(spec.prune, names) if zero.stage(spec) in (1, 2) else None
+
+
+def leaf_keep(spec, leaf) -> dict[int, int] | None:
+    """`keep` of a planner leaf (None for one pruning leaves alone): what the planner's ZeRO
+    entries of the leaf pass, as the step's `state_keep` does for the same parameter."""
+    return keep(spec, leaf.axes) if active(spec) and is_pruned_leaf(leaf) else None
 
 
 def collectives(spec) -> list[Comm]:
