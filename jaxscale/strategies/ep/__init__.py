@@ -147,16 +147,15 @@ def collectives(spec) -> list[Comm]:
 
 def _stat_axes(spec) -> tuple[str, ...]:
     """The data axes a MoE layer averages its balance statistics over (`models.moe.balance_loss`
-    via `axes.data_mean`): those the step runs manual over, the data region's (`common.sync_axes`)
-    and dp under local SGD (its replicas' step)."""
+    via `axes.data_mean`): those the step runs manual over (`common.manual_data_axes`)."""
     manual = common.manual_data_axes(spec)
     return tuple(a for a in MESH_AXES if a in manual and a in DATA_AXES and spec.deg(a) > 1)
 
 
 def _token_axes(spec) -> tuple[str, ...]:
     """The mesh axes a grouped region's tokens are split over (data axes, then the sequence's),
-    less those of the data region the step runs in (`common.sync_axes`), and dp under local SGD (a
-    replica's step, manual over dp): they sum the statistics once, with the loss."""
+    less those the step runs manual over (`common.manual_data_axes`): they sum the statistics
+    once, with the loss."""
     axes = set(a for a in spec.data_axes if spec.deg(a) > 1) | set(tokens_split(spec))
     once = common.manual_data_axes(spec)
     return tuple(a for a in MESH_AXES if a in axes and a not in once)
