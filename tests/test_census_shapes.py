@@ -41,6 +41,12 @@ kv heads, ffn 224, vocab 509, seq 64) where two mechanisms once moved more than 
   over fsdp and the rows over dp alone: all-to-alls over fsdp at every write and read (24 a
   step on seed 1131's shape; the formula has none) and fsdp's gathers 0.97 of the formula.
   The rows are now the dimension that doubles with the micro-batch.
+- tensor parallelism's column groups with many query heads per device (dim 160, 20 heads of 8
+  over tp2, one sequence a device on dp2 x fsdp2 x tp2): left free inside the group's region,
+  the input's gradient was computed with the sequences gathered over fsdp and the embedding
+  split there like the weight, then all-to-all'd back to the batch split (generated seed 1218:
+  fsdp's gathers 0.88 of the formula, an all-to-all over fsdp it lacks). The region's input is
+  pinned to the batch layout, which its transpose keeps for the gradient.
 
 Each plan compiles once: the file takes about 115 s on 2 cores."""
 import functools
@@ -94,6 +100,10 @@ PLANS = {
                                                       "plan.local_steps=4", "plan.remat=full",
                                                       "plan.compression=int8",
                                                       "model.moe_experts=4", "data.batch_size=8"),
+    "dp2 x fsdp2 x tp2, 10 query heads a device": ("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2",
+                                                   "model.dim=160", "model.n_heads=20",
+                                                   "model.n_layers=2", "data.seq_len=32",
+                                                   "data.batch_size=4"),
     "dp4 x ep2 ZeRO-3 MoE": ("mesh.dp=4", "mesh.ep=2", "mesh.fsdp=1", "mesh.tp=1", "plan.zero=3",
                              "model.moe_experts=4", "data.batch_size=8"),
 }

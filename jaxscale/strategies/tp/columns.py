@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.axes import active, entry_axes, manual, on_shards
+from jaxscale.axes import active, constrain, entry_axes, manual, on_shards
 from jaxscale.hooks.projection import SCALES, layer_input, project, this_layer
 from jaxscale.strategies import remat
 from jaxscale.strategies.tp.seq import gather_seq
@@ -71,6 +71,11 @@ def columns(eq, x, ws, sites, names, mesh, rules):
         with manual(axes), this_layer(SCALES, None if sc is None else averaged(sc, axes)):
             if not seq:
                 x_local = x_local[0]
+            # the input on the batch's layout (its transpose puts the gradient there): left
+            # free, GSPMD may compute the gradient with the sequences gathered over fsdp and
+            # the embedding split like the weight, then all-to-all it back (many query heads
+            # per device: 10 of 8 on dp2 x fsdp2 x tp2)
+            x_local = constrain(x_local, *names[0][0])
             if seq:          # the sequence gathered over tp on each device's own shard
                 x_local = on_shards(lambda v: gather_seq(v, seq[0]), x_local,
                                     active()[1].spec(names[0][0]))
