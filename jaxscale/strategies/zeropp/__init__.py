@@ -206,14 +206,16 @@ def collectives(spec) -> list[Comm]:
             row[1] += count
 
     for leaf in sites(spec):
-        reps = L * k if leaf.stacked else k
+        # runs per step (the head's: per micro-batch, with pipelining on its stage alone)
+        reps = L * k if leaf.stacked else outer_runs(spec, leaf)
         # elements of one gathered weight (one layer's, for a stacked leaf)
         E = leaf.run_size(spec, drop=("fsdp",)) / (L if leaf.stacked else 1)
         pb, sb, row = _wire(spec, leaf, wf, spec.zeropp_block)
         R = E / row             # its rows: each travels padded to whole blocks, with its scales
         # outside the layer loop (the LM head) the forward's gather is hoisted out of the
-        # micro-batch loop, and XLA may reuse it for the backward
-        once = reps if leaf.stacked else 1
+        # micro-batch loop, and XLA may reuse it for the backward; with pipelining it runs in
+        # its stage's forward op, once per micro-batch there (as fsdp's gathers)
+        once = reps if leaf.stacked or spec.deg("pp") > 1 else 1
         again = "" if leaf.stacked else ", the LM head's (XLA may reuse the forward's)"
         for what, b in (("payload", pb), ("scales", sb)):
             if b == 0:
@@ -224,7 +226,6 @@ def collectives(spec) -> list[Comm]:
             add("all-gather", local, R * b * reps, reps, f"weights, backward, {what}{again}",
                 optional=not leaf.stacked)
         if gf != "none":
-            reps = reps if leaf.stacked else outer_runs(spec, leaf)     # pp: the last stage's
             pb, sb, row = _wire(spec, leaf, gf, spec.zeropp_block, even=gf == "int4")
             left = E / row
             for a in tuple(a for a in axes if a not in nodes) + nodes:
