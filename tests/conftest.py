@@ -106,6 +106,10 @@ class ZeroSkips:
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):          # not on an xdist worker
         config.pluginmanager.register(ZeroSkips(), "jaxscale-zero-skips")
+    if os.environ.get("JAXSCALE_TEST_PHASES"):      # where the time goes (tests/phases.py)
+        from tests.phases import Recorder
+        config.pluginmanager.register(Recorder(os.environ["JAXSCALE_TEST_PHASES"]),
+                                      "jaxscale-phases")
 
 
 def pytest_xdist_auto_num_workers(config):

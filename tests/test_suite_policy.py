@@ -1,6 +1,7 @@
 """The suite's own rules: a skipped test and an expected failure (`xfail`) fail the session
 (`tests/conftest.py`, `ZeroSkips`), with the suite's pytest-xdist setup and in one process, and
-the message names the test."""
+the message names the test; and the recorder of where its time goes (`tests/phases.py`)."""
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass", mark: st
     (without the JAX setup above it, which each xdist worker would import) and one test file:
     `module` at its top, `test` the body of its second test and `mark` its decorator."""
     source = CONFTEST.read_text()
-    (tmp_path / "conftest.py").write_text("import pytest\n\n\n" +
+    (tmp_path / "conftest.py").write_text("import os\n\nimport pytest\n\n\n" +
                                           source[source.index("class ZeroSkips"):])
     (tmp_path / "test_policy_case.py").write_text(BODY.format(module=module, test=test,
                                                               mark=mark))
@@ -97,3 +98,34 @@ def test_every_break_applies_names_real_tests_and_is_listed_in_the_readme():
             assert f"def {name.split('[')[0]}(" in (root / path).read_text(), (b.name, node)
     assert breaks.markdown() in Path(__file__).with_name("README.md").read_text(), (
         "tests/README.md's table of breaks is stale: python -m tests.breaks --markdown")
+
+
+def test_the_phase_recorder_sees_a_compile_and_the_summary_adds_up(tmp_path, capsys):
+    """`JAXSCALE_TEST_PHASES` (tests/phases.py): a test's line holds the seconds JAX spent
+    tracing, lowering and compiling its programs, by name; the summary splits the worker time
+    into those and the rest."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests import phases
+    path = tmp_path / "phases.jsonl"
+    rec = phases.Recorder(str(path))
+    try:
+        rec.pytest_runtest_setup(None)
+        jax.jit(lambda x: jnp.tanh(x) * 3.0 + x.sum())(np.arange(7.0))   # a new program
+        rec.pytest_runtest_logfinish("t.py::a", None)
+        rec.pytest_runtest_logfinish("t.py::never_set_up", None)         # the xdist controller
+    finally:
+        rec.close()
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert row["test"] == "t.py::a" and row["compile"] > 0 and row["trace"] > 0
+    assert row["seconds"] >= row["compile"] + row["trace"]
+    assert "jit(<lambda>)" in [name for name, _ in row["programs"]]
+    rows = [row, {"test": "u.py::b", "seconds": 10.0, "compile": 6.0, "trace": 1.0,
+                  "lower": 1.0, "programs": [["jit(train_step)", 6.0]]}]
+    text = phases.summary(rows)
+    assert text.splitlines()[0] == f"2 tests, {(row['seconds'] + 10) / 60:.1f} min of worker time"
+    assert "jit(train_step)" in text and "u.py" in text
+    assert phases.main([str(path)]) == 0 and "1 tests" in capsys.readouterr().out
+    assert phases.main([str(tmp_path / "none.jsonl")]) == 2
