@@ -79,26 +79,16 @@ class Hardware:
         return self.inter_latency if cross_node else self.intra_latency
 
 
-#: how long a simulated device waits in a collective for the others before XLA:CPU ends the
-#: process (XLA's default: 40 s). The 8 simulated devices are threads of one process sharing the
-#: host's cores: on a loaded 2-core machine one of them can be descheduled that long while the
-#: others wait, and a healthy program was ended ("Termination timeout ... exceeded")
-CPU_COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
-
-
 def simulate_cpu_devices(n: int = 8) -> bool:
     """Ask XLA for `n` simulated CPU devices (`--xla_force_host_platform_device_count`) unless
-    JAX is already imported or XLA_FLAGS already sets a count, with the collectives' patience
-    of `CPU_COLLECTIVE_TIMEOUT`; harmless on a GPU machine (the flags only shape the CPU
-    backend). Call before JAX starts (the CLI, the experiments and the benchmarks do); returns
-    whether the flags were set."""
+    JAX is already imported or XLA_FLAGS already sets a count; harmless on a GPU machine (the
+    flag only shapes the CPU backend). Call before JAX starts (the CLI, the experiments and the
+    benchmarks do); returns whether the flag was set."""
     import sys
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
         return False
-    patience = "" if "collective_call_terminate_timeout" in flags else CPU_COLLECTIVE_TIMEOUT
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (
-        flags, f"--xla_force_host_platform_device_count={n}", patience) if f)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     return True
 
 

@@ -30,12 +30,9 @@ def _fast_compile() -> str:
 
 
 if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
-    # and the collectives' patience of the CLI's simulated devices: the suite runs a worker per
-    # core and a spare, so a device thread can wait its turn past XLA's 40 s default
-    from jaxscale.hardware import CPU_COLLECTIVE_TIMEOUT
     os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""),
                                                    "--xla_force_host_platform_device_count=8",
-                                                   CPU_COLLECTIVE_TIMEOUT, _fast_compile()) if f)
+                                                   _fast_compile()) if f)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests compile the same program (the same plan's init and step on the same tiny model): one

@@ -2,7 +2,6 @@
 accounting."""
 import json
 import math
-import os
 import re
 
 import jax
@@ -272,23 +271,3 @@ def test_bench_rejects_bad_arguments(capsys):
     from jaxscale.hardware import simulate_cpu_devices
     assert simulate_cpu_devices(8) is False  # jax is imported already: leave flags alone
     assert math.isclose(cost_lib.busbw_factor("all_gather", 4), 0.75)
-
-
-def test_simulated_devices_wait_for_each_other_past_xlas_default(monkeypatch):
-    """The simulated devices are threads sharing the host's cores: before JAX starts, the count
-    comes with the collectives' patience (XLA:CPU ends the process after 40 s by default when a
-    device has not joined a collective, which a loaded machine reaches), and a patience the
-    user set is kept."""
-    import sys
-
-    from jaxscale.hardware import CPU_COLLECTIVE_TIMEOUT, simulate_cpu_devices
-    monkeypatch.delitem(sys.modules, "jax")         # as if JAX had not started
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    assert simulate_cpu_devices(4) is True
-    assert os.environ["XLA_FLAGS"].split() == [
-        "--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=4", CPU_COLLECTIVE_TIMEOUT]
-    mine = "--xla_cpu_collective_call_terminate_timeout_seconds=5"
-    monkeypatch.setenv("XLA_FLAGS", mine)
-    assert simulate_cpu_devices(8) is True
-    assert os.environ["XLA_FLAGS"].split() == [mine, "--xla_force_host_platform_device_count=8"]
-    assert simulate_cpu_devices(8) is False         # a count is set: left alone

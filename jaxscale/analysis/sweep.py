@@ -22,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 
 from jaxscale.analysis import composition, generate
-from jaxscale.hardware import simulate_cpu_devices
 
 MARK = composition.SWEEP_MARK
 FIGURE = composition.DOC.parent / "img" / "composition_sweep.png"
@@ -249,7 +248,9 @@ def main(argv=None) -> int:
                     by_seed[r["seed"]] = r
         return _report([by_seed[s] for s in sorted(by_seed)], args.update_docs)
     if "jax" not in sys.modules:            # the 8 simulated devices every case is drawn for
-        simulate_cpu_devices(8)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.case is not None:
         t0 = time.perf_counter()
