@@ -33,8 +33,8 @@ def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass", mark: st
                                           source[source.index("class ZeroSkips"):])
     (tmp_path / "test_policy_case.py").write_text(BODY.format(module=module, test=test,
                                                               mark=mark))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "XDIST_"))}   # not this session's worker settings
+    env = {k: v for k, v in os.environ.items()      # not this session's worker settings
+           if not k.startswith(("PYTEST_", "XDIST_", "JAXSCALE_TEST_PHASES"))}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"          # seconds each: only xdist is needed
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p",
                         "no:cacheprovider", "--rootdir", str(tmp_path), *args, str(tmp_path)],
