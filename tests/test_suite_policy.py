@@ -21,7 +21,8 @@ def test_runs():
 def test_left_out():
     {test}
 """
-XDIST = ("-n", "2", "--dist", "loadfile")          # the suite's distribution (pyproject.toml)
+#: the suite's distribution (pyproject.toml)
+XDIST = ("-n", "2", "--dist", "loadfile", "--max-worker-restart=0")
 
 
 def _pytest(tmp_path, *args: str, module: str = "", test: str = "pass", mark: str = ""):
@@ -83,6 +84,17 @@ def test_an_unexpected_pass_and_an_xfail_call_fail_the_session_too(tmp_path, mar
     rc, out = _pytest(tmp_path, *XDIST, mark=mark, test=test)
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert named in out, out
+
+
+def test_a_crashed_worker_fails_the_session_once_and_names_its_test(tmp_path):
+    """A test that aborts its worker (XLA:CPU's fatal errors do) fails the session at once,
+    named: the file is not handed to a new worker to crash it again (each restart re-ran the
+    file's pending tests, and after one such crash xdist hung at the end of the suite or
+    stopped on an internal error)."""
+    rc, out = _pytest(tmp_path, *XDIST, module="import os", test="os.abort()")
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert out.count("crashed while running 'test_policy_case.py::test_left_out'") == 1, out
+    assert "INTERNALERROR" not in out, out
 
 
 def test_every_break_applies_names_real_tests_and_is_listed_in_the_readme():
