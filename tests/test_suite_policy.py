@@ -87,8 +87,8 @@ def test_an_unexpected_pass_and_an_xfail_call_fail_the_session_too(tmp_path, mar
 
 
 def test_a_crashed_worker_fails_the_session_once_and_names_its_test(tmp_path):
-    """A test that aborts its worker (XLA:CPU's fatal errors do) fails the session at once,
-    named: the file is not handed to a new worker to crash it again (each restart re-ran the
+    """A test that aborts its worker (XLA:CPU's fatal errors do) fails the session, named,
+    once: the file is not handed to a new worker to crash it again (each restart re-ran the
     file's pending tests, and after one such crash xdist hung at the end of the suite or
     stopped on an internal error)."""
     rc, out = _pytest(tmp_path, *XDIST, module="import os", test="os.abort()")
