@@ -131,13 +131,17 @@ def test_the_phase_recorder_sees_a_compile_and_the_summary_adds_up(tmp_path, cap
     finally:
         rec.close()
     (row,) = [json.loads(line) for line in path.read_text().splitlines()]
-    assert row["test"] == "t.py::a" and row["compile"] > 0 and row["trace"] > 0
-    assert row["seconds"] >= row["compile"] + row["trace"]
-    assert "jit(<lambda>)" in [name for name, _ in row["programs"]]
-    rows = [row, {"test": "u.py::b", "seconds": 10.0, "compile": 6.0, "trace": 1.0,
-                  "lower": 1.0, "programs": [["jit(train_step)", 6.0]]}]
+    assert row["test"] == "t.py::a" and {"seconds", "trace", "lower", "compile"} <= set(row)
+    assert "jit(<lambda>)" in [name for name, _ in row["programs"]]   # events seen, not timed
+    rows = [{"test": "t.py::a", "seconds": 2.0, "trace": 1.0, "programs": []},
+            {"test": "u.py::b", "seconds": 10.0, "compile": 6.0, "trace": 1.0, "lower": 1.0,
+             "programs": [["jit(train_step)", 6.0]]}]
     text = phases.summary(rows)
-    assert text.splitlines()[0] == f"2 tests, {(row['seconds'] + 10) / 60:.1f} min of worker time"
+    assert text.splitlines()[:5] == ["2 tests, 0.2 min of worker time",
+                                     "  trace                 0.0 min  16.7%",
+                                     "  lower                 0.0 min   8.3%",
+                                     "  compile               0.1 min  50.0%",
+                                     "  run and the rest      0.1 min  25.0%"]
     assert "jit(train_step)" in text and "u.py" in text
     assert phases.main([str(path)]) == 0 and "1 tests" in capsys.readouterr().out
     assert phases.main([str(tmp_path / "none.jsonl")]) == 2
