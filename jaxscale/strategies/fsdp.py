@@ -34,7 +34,7 @@ from jaxscale.axes import MESH_AXES, entry_axes
 from jaxscale.strategies import common, qat, remat, zero, zeropp
 from jaxscale.strategies.common import Comm, Term
 from jaxscale.strategies.tables.activations import grouped
-from jaxscale.strategies.tables.params import leaves, outer_runs
+from jaxscale.strategies.tables.params import leaves, outer_gathers
 from jaxscale.strategies.zero import gather_axes
 
 NAME = "fsdp"
@@ -91,12 +91,7 @@ def collectives(spec) -> list[Comm]:
                             2 * sum(zero.stored_size(spec, leaf) for leaf in nested) * pb,
                             2 * len(nested), "ZeRO-3's (dp, fsdp)-nested shards re-laid into "
                             "fsdp's order for the data region", group=2, overlap=True))
-    # outside the layers: gathered once per step, or with pipelining on its stage once per
-    # micro-batch
-    pipelined = spec.deg("pp") > 1
-
-    def runs(leaf):
-        return outer_runs(spec, leaf) if pipelined else 1
+    # outside the layers: gathered `outer_gathers` times
     layer_f = layer_b = least_b = outer_f = outer_b = head = norms = again = 0.0
     count_f = count_b = 0
     own = {leaf.path for leaf in zeropp.sites(spec)} if zeropp.active(spec) else set()
@@ -120,12 +115,12 @@ def collectives(spec) -> list[Comm]:
                 1 if q is None else q.backward_count)
             norms += size if (leaf.stacked and leaf.use == "norm") else 0.0
         elif leaf.path == "head":
-            outer_f += size * runs(leaf)
-            head = size * runs(leaf)
+            outer_f += size * outer_gathers(spec, leaf)
+            head = size * outer_gathers(spec, leaf)
         else:
-            outer_f += size * runs(leaf)
+            outer_f += size * outer_gathers(spec, leaf)
             if leaf.use != "embedding":
-                outer_b += size * runs(leaf)
+                outer_b += size * outer_gathers(spec, leaf)
                 count_b += 1
     out += [Comm("all-gather", axes, layer_f * k + outer_f, count_f * k,
                 "parameters, forward", group=n, overlap=True),

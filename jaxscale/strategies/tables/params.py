@@ -163,3 +163,11 @@ def outer_runs(spec, leaf=None) -> float:
         return k
     tied = leaf is not None and leaf.use == "embedding" and spec.model.tie_embeddings
     return k / p * (2 if tied else 1)
+
+
+def outer_gathers(spec, leaf=None) -> float:
+    """How often per step, averaged over the devices, a weight outside the layers (embedding,
+    final norm, head) is gathered for its forward: once, the gather hoisted out of the
+    micro-batch loop; with pipelining in its stage's forward op, each time it runs
+    (`outer_runs`)."""
+    return outer_runs(spec, leaf) if spec.deg("pp") > 1 else 1

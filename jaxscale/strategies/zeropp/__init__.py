@@ -40,7 +40,7 @@ import math
 
 from jaxscale.hooks import register
 from jaxscale.strategies.common import Comm, Term, block_size, parse_parts, problems_of
-from jaxscale.strategies.tables.params import leaves, outer_runs
+from jaxscale.strategies.tables.params import leaves, outer_gathers, outer_runs
 from jaxscale.strategies.zero import gather_axes
 
 NAME = "zeropp"
@@ -212,10 +212,9 @@ def collectives(spec) -> list[Comm]:
         E = leaf.run_size(spec, drop=("fsdp",)) / (L if leaf.stacked else 1)
         pb, sb, row = _wire(spec, leaf, wf, spec.zeropp_block)
         R = E / row             # its rows: each travels padded to whole blocks, with its scales
-        # outside the layer loop (the LM head) the forward's gather is hoisted out of the
-        # micro-batch loop, and XLA may reuse it for the backward; with pipelining it runs in
-        # its stage's forward op, once per micro-batch there (as fsdp's gathers)
-        once = reps if leaf.stacked or spec.deg("pp") > 1 else 1
+        # outside the layer loop (the LM head): `outer_gathers`, and XLA may reuse the
+        # forward's gather for the backward
+        once = reps if leaf.stacked else outer_gathers(spec, leaf)
         again = "" if leaf.stacked else ", the LM head's (XLA may reuse the forward's)"
         for what, b in (("payload", pb), ("scales", sb)):
             if b == 0:
