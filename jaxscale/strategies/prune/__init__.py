@@ -61,8 +61,9 @@ def active(spec) -> bool:
 
 
 def is_pruned_leaf(leaf) -> bool:
-    """A planner leaf that is pruned: a matmul (`dot`) weight under `layers/`."""
-    return leaf.use == "dot" and leaf.path.startswith("layers/")
+    """A planner leaf that is pruned, by the step's rule (`masking.is_pruned`): the matmul
+    weights under `layers/`."""
+    return is_pruned(leaf.path.split("/"), tuple(leaf.axes))
 
 
 def pruned_leaves(model) -> list:

@@ -37,8 +37,9 @@ def group_keep(prune: str, names) -> dict[int, int] | None:
 
 
 def is_pruned(path, names) -> bool:
-    """A parameter (its key path, its logical names) that pruning masks."""
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    """A parameter (its key path, or the planner leaf's path split at "/"; its logical names)
+    that pruning masks."""
+    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
     return (keys[:1] == ["layers"] and "router" not in keys
             and contracted_axes(tuple(names)) is not None and not is_lookup(tuple(names)))
 
