@@ -248,15 +248,26 @@ def test_bad_stage_layouts_are_refused_before_anything_compiles(overrides, messa
         plan.validate(tiny_config(*BASE, "mesh.tp=1", *overrides), 8)
 
 
-def test_bf16_slots_hold_two_bytes_an_element():
+SLOTS_16BIT = {
+    "ZB-H1, one layer a stage": ("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1",
+                                 "plan.schedule=zb-h1", "plan.accumulate=2", "model.dim=96",
+                                 "model.n_heads=6", "model.n_kv_heads=6", "model.ffn_dim=160",
+                                 "data.seq_len=32", "data.batch_size=8"),
+    "1F1B, two layers a stage, scores 70% of the residuals": (
+        "mesh.dp=4", "mesh.pp=2", "mesh.tp=1", "mesh.fsdp=1", "plan.schedule=1f1b",
+        "plan.accumulate=2", "model.dim=96", "model.n_heads=12", "model.n_kv_heads=1",
+        "model.ffn_dim=224", "model.n_layers=4", "data.seq_len=96", "data.batch_size=16")}
+
+
+@pytest.mark.parametrize("base", SLOTS_16BIT.values(), ids=SLOTS_16BIT)
+def test_bf16_slots_hold_two_bytes_an_element(base):
     """XLA:CPU widens bf16 arithmetic to f32 but not the engine's slots: ZB-H1's residual,
     boundary and tape slots in bf16 compile to half their f32 bytes, and the planner's temp stays
-    within 15% in both precisions (counted at 4 bytes, bf16 was 1.47x the compiled)."""
+    within 15% in both precisions (counted at 4 bytes, bf16 was 1.47x the compiled). The
+    residuals the model keeps in fp32, the attention scores, stay fp32 in their slots: where
+    they are most of a layer's residuals, halving every slot put the planner at 0.80 of the
+    compiled bf16 temp (`pp.memory`)."""
     from jaxscale.analysis import validation
-    base = ("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.fsdp=1", "plan.schedule=zb-h1",
-            "plan.accumulate=2", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=6",
-            "model.ffn_dim=160",
-            "data.seq_len=32", "data.batch_size=8")
     temp = {}
     for p in ("fp32", "bf16"):
         cfg = tiny_config(*base, f"plan.precision={p}")

@@ -118,13 +118,14 @@ KNOWN = [
      "which with pruning's unmasked weights and fp16's smaller total falls past 15% (0.80-0.82)"),
     ("16-bit pipeline residuals", lambda r: r["failure"] == "memory" and (r["temp"] or 1) < 1
      and r["mesh"].get("pp", 1) > 1 and {"bf16", "fp16"} & set(r["options"]),
-     "a pipeline's residual slots under a 16-bit policy: the planner halves every residual, "
-     "but XLA keeps the attention scores in fp32 and the backward holds fp32 copies of the "
-     "16-bit residuals it converts (the live-range dump's peak); an itemsize per residual "
-     "moved 1F1B from 0.80 to 0.85 of the compiled temp and ZB-H1 past it (1.19), so it was "
-     "not kept. It grows with the scores' share: with 20 heads of 8 a 1F1B step compiles "
-     "larger in bf16 than in fp32 (dp2 x pp2 x tp2: 7.99 MB against 7.60; dp4 x pp2: 10.15 "
-     "against 9.33), with 6 heads of 16 (ZB-H1) 0.5 MB smaller"),
+     "a pipeline under a 16-bit policy whose compiled temp the planner undercounts. Its "
+     "residual slots are counted as stored (the 16-bit tensors at 2 bytes, the attention "
+     "scores at 4, the micro-batch being computed among them: `pp.memory`), which puts 22 of "
+     "23 generated 16-bit pipelines within 15%; those left fall short in fp32 too where a "
+     "pipeline meets a mixture of experts with Ulysses or ring attention (interleaved with "
+     "ZeRO-3, 0.72 in fp32; ZB-V with fp8 QAT, 0.87), or run full remat with interleaving, or "
+     "ZB-H1 with Ulysses, experts and int8 compression (0.84; 0.86 with the table's f32 width "
+     "throughout)"),
     ("XLA:CPU collectives launched out of order", lambda r: r["failure"] == "crash"
      and "Termination timeout" in r.get("detail", ""),
      "XLA:CPU runs a program's thunks as their data become ready, each device on its own, and a "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextvars
 from typing import Callable
 
+from jaxscale.strategies import precision
 from jaxscale.strategies.common import Term, problems_of
 from jaxscale.strategies.tables import activations as tables
 
@@ -100,25 +101,33 @@ def collectives(spec) -> list:
     return []
 
 
-def activations(spec, policy: str | None = None) -> tables.LayerActivations:
+def activations(spec, policy: str | None = None,
+                itemsize: int | None = None) -> tables.LayerActivations:
     """One layer's activations per device for one micro-batch of `spec` under a remat policy
-    (default: the plan's), from the block's table (`tables.activations`)."""
+    (default: the plan's), from the block's table (`tables.activations`), its compute-dtype
+    tensors at `itemsize` bytes (default: as the backend computes them; the table's fp32 ones,
+    the scores and statistics, stay 4)."""
     policy = spec.remat if policy is None else policy
     # ring and all-gather context attention run blockwise over the sequence shards: they save
     # the output and its log-sum-exp, not the scores (their hop tiles are `sp.memory`'s)
     blockwise = spec.deg("sp") > 1 and spec.context != "ulysses"
     return tables.layer_activations(
-        spec.model, spec.seq, spec.micro_batch * spec.seq, spec.compute_itemsize,
+        spec.model, spec.seq, spec.micro_batch * spec.seq, itemsize or spec.compute_itemsize,
         tables.split(spec), None if parse(policy) == "none" else actions(policy),
         "blockwise" if blockwise else spec.attention, tables.experts(spec))
 
 
 def memory(spec) -> list[Term]:
     """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
-    offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`)."""
+    offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`).
+    A pipeline holds them in the engine's residual slots as the forward returned them: 16-bit
+    tensors at 2 bytes where XLA:CPU computes them widened to f32 (its fp32 ones, the attention
+    scores and statistics, at 4)."""
     la = activations(spec)
     n = spec.stored_layers
-    out = [Term("activations", la.saved * n, f"saved for the backward (remat={spec.remat})")]
+    saved = la.saved if spec.deg("pp") == 1 else activations(
+        spec, itemsize=precision.compute_itemsize(spec)).saved
+    out = [Term("activations", saved * n, f"saved for the backward (remat={spec.remat})")]
     if la.host:
         out.append(Term("host", la.host * n, "activations offloaded by the remat policy",
                         part="activations"))
