@@ -132,10 +132,13 @@ def memory(spec) -> list[Term]:
     on dp2 x pp2 x tp2: 0.70 MB of ZB-H1's slots and tape, half what f32 would hold); the
     residuals the table keeps in fp32 (the attention scores, the statistics) stay fp32 there:
     with 12 heads over a sequence of 96 the scores are 70% of a layer's residuals, so a bf16
-    1F1B step holds 85% of fp32's slots, not half (dp4 x pp2: 36.1 MB compiled against 39.6).
-    The micro-batch being computed is one of the slots' values too (`remat.memory` counts it as
-    stored): of 23 generated 16-bit pipelines, 22 are then within 15% of the compiled temp,
-    against 15 with every slot halved and the micro-batch at XLA:CPU's f32 width."""
+    1F1B step holds 85% of fp32's slots, not half (dp4 x pp2 with the direct fusion emitter:
+    36.1 MB compiled against fp32's 39.6). The micro-batch being computed is one of the slots'
+    values too (`remat.memory` counts it as stored): of 23 generated 16-bit pipelines, 19 are
+    then within 15% of the temp XLA:CPU compiles with its default flags, against 15 with every
+    slot halved and the micro-batch at f32 width. Short are pipelines of two-layer stages, where
+    the default fusions also keep f32 copies of residuals the backward converts (the same
+    1F1B: 41.5 MB in bf16, more than fp32; 0.84 of it)."""
     if spec.deg("pp") == 1:
         return []
     slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
