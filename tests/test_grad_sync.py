@@ -102,7 +102,9 @@ def test_replicated_axis_bytes_per_step_are_one_micro_batchs(modes):
 
 def test_the_once_per_step_accumulator_shows_in_compiled_temp_as_the_planner_predicts():
     """fsdp8, bf16, 4 micro-batches: grad_sync=step holds the fp32 accumulator and the parameters
-    whole over fsdp for the step; the compiled temp grows by what the planner's terms add."""
+    whole over fsdp for the step; the compiled temp grows by what the planner's terms add (3.14
+    MB against 3.18; 4.01 with the accumulator counted twice, the loop's carry in and out, and
+    the gathered parameters at 2 bytes where XLA:CPU's all-gather returns f32)."""
     plan = ("mesh.dp=1", "mesh.fsdp=8", "mesh.tp=1", *ACC4, *PRECISION)
     temp, predicted = {}, {}
     for mode in ("auto", "step"):
@@ -111,7 +113,7 @@ def test_the_once_per_step_accumulator_shows_in_compiled_temp_as_the_planner_pre
         temp[mode] = compiled.memory_analysis().temp_size_in_bytes
         predicted[mode] = planner_memory.estimate(plan_lib.Spec.from_config(cfg, 8)).total
     grew, said = temp["step"] - temp["auto"], predicted["step"] - predicted["auto"]
-    assert said > 0 and grew == pytest.approx(said, rel=0.25), (grew, said)
+    assert said > 0 and grew == pytest.approx(said, rel=0.05), (grew, said)
 
 
 @pytest.fixture(scope="module")
