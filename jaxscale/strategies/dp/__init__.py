@@ -230,11 +230,13 @@ def memory(spec) -> list[Term]:
     whole over them until the mean (ZeRO-3 dp8 with the sparse embedding or int8 compression:
     the planner 0.63 of the compiled temp without them, 0.92 with), and with micro-batches the
     fp32 accumulator whole over them (beyond the sharded one `accumulate` counts), one copy: the
-    micro-batch loop's carry, updated in place. The gathered parameters are a collective's
-    result, at its width (f32 on XLA:CPU). fsdp8 with 4 micro-batches: grad_sync=step grows the
-    compiled temp by 4.04 MB in fp32 and 3.14 in bf16, where these terms say 4.01 and 3.18 (with
-    the accumulator's copy counted twice and the gathered bf16 parameters at 2 bytes, 5.68 and
-    4.01)."""
+    micro-batch loop's carry, updated in place; two under a pipeline, whose engine accumulates
+    the gradients in its tick loop and returns them out of its switch (a copy, `pp.engine`:
+    pp2 x fsdp2 x tp2 at 0.89 of the compiled temp with one). The gathered parameters are a
+    collective's result, at its width (f32 on XLA:CPU). fsdp8 with 4 micro-batches:
+    grad_sync=step grows the compiled temp by 4.04 MB in fp32 and 3.14 in bf16, where these
+    terms say 4.01 and 3.18 (with the accumulator counted twice and the gathered bf16
+    parameters at 2 bytes, 5.68 and 4.01)."""
     split = [a for a in split_axes(spec) if a in sync_axes(spec)]
     if not split:
         return []
@@ -249,9 +251,10 @@ def memory(spec) -> list[Term]:
         return [gathered, Term("backward", more * spec.param_itemsize,
                                f"the step's gradients whole over {over} before their mean")]
     return [gathered,
-            Term("backward", more * 4,
-                 f"fp32 gradient accumulator whole over {over}, the loop's carry "
-                 f"(grad_sync=step)"),
+            Term("backward", more * 4 * (2 if spec.deg("pp") > 1 else 1),
+                 f"fp32 gradient accumulator whole over {over}, the loop's carry" + (
+                     " in and out of the pipeline's switch" if spec.deg("pp") > 1 else "")
+                 + " (grad_sync=step)"),
             Term("backward", more * spec.param_itemsize,
                  f"a micro-batch's gradients whole over {over} before they are added "
                  f"(grad_sync=step)"),
