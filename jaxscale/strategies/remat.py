@@ -117,17 +117,24 @@ def activations(spec, policy: str | None = None,
         "blockwise" if blockwise else spec.attention, tables.experts(spec))
 
 
+def held(spec) -> tables.LayerActivations:
+    """`activations` as the step holds them: as the backend computes them, or under a pipeline
+    in the engine's residual slots as the forward returned them, 16-bit tensors at 2 bytes where
+    XLA:CPU computes them widened to f32 (the table's fp32 ones, the attention scores and
+    statistics, at 4)."""
+    if spec.deg("pp") == 1:
+        return activations(spec)
+    return activations(spec, itemsize=precision.compute_itemsize(spec))
+
+
 def memory(spec) -> list[Term]:
     """Saved activations of one micro-batch: the layer input plus what the policy keeps (or
-    offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`).
-    A pipeline holds them in the engine's residual slots as the forward returned them: 16-bit
-    tensors at 2 bytes where XLA:CPU computes them widened to f32 (its fp32 ones, the attention
-    scores and statistics, at 4)."""
+    offloads), for the layers of a stage (a pipeline adds the micro-batches in flight: `pp.py`),
+    as the step holds them (`held`)."""
     la = activations(spec)
     n = spec.stored_layers
-    saved = la.saved if spec.deg("pp") == 1 else activations(
-        spec, itemsize=precision.compute_itemsize(spec)).saved
-    out = [Term("activations", saved * n, f"saved for the backward (remat={spec.remat})")]
+    out = [Term("activations", held(spec).saved * n,
+                f"saved for the backward (remat={spec.remat})")]
     if la.host:
         out.append(Term("host", la.host * n, "activations offloaded by the remat policy",
                         part="activations"))

@@ -134,7 +134,7 @@ def memory(spec) -> list[Term]:
     with 12 heads over a sequence of 96 the scores are 70% of a layer's residuals, so a bf16
     1F1B step holds 85% of fp32's slots, not half (dp4 x pp2 with the direct fusion emitter:
     36.1 MB compiled against fp32's 39.6). The micro-batch being computed is one of the slots'
-    values too (`remat.memory` counts it as stored): of 23 generated 16-bit pipelines, 19 are
+    values too (`remat.held`, for both): of 23 generated 16-bit pipelines, 19 are
     then within 15% of the temp XLA:CPU compiles with its default flags, against 15 with every
     slot halved and the micro-batch at f32 width. Short are pipelines of two-layer stages, where
     the default fusions also keep f32 copies of residuals the backward converts (the same
@@ -143,7 +143,7 @@ def memory(spec) -> list[Term]:
         return []
     slots, v, la = program_for(spec).slots, chunks(spec), remat.activations(spec)
     extra = (slots["res"] + 1) / v - 1
-    stored = remat.activations(spec, itemsize=precision.compute_itemsize(spec)).saved
+    stored = remat.held(spec).saved
     as_stored = precision.compute_itemsize(spec) / spec.compute_itemsize
     stream = boundary_bytes(spec) * precision.compute_itemsize(spec) / spec.wire_compute_itemsize
     out = [Term("activations", stored * spec.stored_layers * extra,
