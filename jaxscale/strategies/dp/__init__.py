@@ -245,16 +245,16 @@ def memory(spec) -> list[Term]:
     whole = sum(leaf.local_size(spec, drop=tuple(split)) for leaf in leaves(spec.model))
     held = zero_lib.shards(spec).params
     over, more = "x".join(split), whole - held
+    piped = spec.deg("pp") > 1
     gathered = Term("backward", more * spec.wire_param_itemsize,
                     f"parameters gathered over {over} for the step (the data region's entry)")
     if spec.accumulate <= 1:        # the gradients of the gathered parameters, before the mean
         return [gathered, Term("backward", more * spec.param_itemsize,
                                f"the step's gradients whole over {over} before their mean")]
     return [gathered,
-            Term("backward", more * 4 * (2 if spec.deg("pp") > 1 else 1),
-                 f"fp32 gradient accumulator whole over {over}, the loop's carry" + (
-                     " in and out of the pipeline's switch" if spec.deg("pp") > 1 else "")
-                 + " (grad_sync=step)"),
+            Term("backward", more * 4 * (1 + piped),
+                 f"fp32 gradient accumulator whole over {over}, the loop's carry"
+                 f"{' in and out of the pipeline switch' if piped else ''} (grad_sync=step)"),
             Term("backward", more * spec.param_itemsize,
                  f"a micro-batch's gradients whole over {over} before they are added "
                  f"(grad_sync=step)"),
