@@ -166,6 +166,9 @@ def test_sweeps_run_apart_are_summarised_together(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--results", str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")])
     assert "names a file more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):         # refused before any case compiles
+        sweep.main(["--cases", "0"])
+    assert "--cases 0: give at least 1 layout" in capsys.readouterr().err
     rows = [json.loads(x) for x in (line(4, True), line(5, False), line(9, True))]
     assert sweep.runs([r["seed"] for r in rows]) == [(4, 2), (9, 1)]
     rows = [{**r, "mesh": {"dp": 8}, "shape": {}} for r in rows]

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from jaxscale.analysis import composition, generate
+from jaxscale.hardware import simulate_cpu_devices
 
 MARK = composition.SWEEP_MARK
 FIGURE = composition.DOC.parent / "img" / "composition_sweep.png"
@@ -240,6 +241,8 @@ def main(argv=None) -> int:
                     help="summarise these --out files (sweeps run apart, e.g. one per core) "
                          "instead of running cases")
     args = ap.parse_args(argv)
+    if args.cases < 1:
+        ap.error(f"--cases {args.cases}: give at least 1 layout to draw")
     if args.results:
         if len(set(args.results)) < len(args.results):
             ap.error("--results names a file more than once: give each sweep's file once")
@@ -251,9 +254,7 @@ def main(argv=None) -> int:
                     by_seed[r["seed"]] = r
         return _report([by_seed[s] for s in sorted(by_seed)], args.update_docs)
     if "jax" not in sys.modules:            # the 8 simulated devices every case is drawn for
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+        simulate_cpu_devices(8)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.case is not None:
         t0 = time.perf_counter()
